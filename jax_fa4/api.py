@@ -1,0 +1,262 @@
+"""Validation, defaults and dispatch for the public functions.
+
+Every check here runs at trace time, before anything is compiled: bad input
+raises a clear ValueError / TypeError instead of reaching a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4 import reference
+from jax_fa4.config import IMPLEMENTATIONS, AttentionConfig, any_kernel_support_error
+from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p, log_once
+
+
+def _check_qkv(query, key, value) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim not in (3, 4):
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq, heads, head_dim] or rank 3 "
+                f"[seq, heads, head_dim]; got shape {tuple(x.shape)}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point, got {x.dtype}")
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(
+            "query, key and value must have the same rank; got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    q4 = query.shape if query.ndim == 4 else (1,) + tuple(query.shape)
+    k4 = key.shape if key.ndim == 4 else (1,) + tuple(key.shape)
+    v4 = value.shape if value.ndim == 4 else (1,) + tuple(value.shape)
+    if not q4[0] == k4[0] == v4[0]:
+        raise ValueError(f"batch sizes differ: query {q4[0]}, key {k4[0]}, value {v4[0]}")
+    if k4[1] != v4[1]:
+        raise ValueError(f"key and value sequence lengths differ: {k4[1]} vs {v4[1]}")
+    if k4[2] != v4[2]:
+        raise ValueError(f"key and value head counts differ: {k4[2]} vs {v4[2]}")
+    if q4[3] != k4[3]:
+        raise ValueError(f"query and key head dims differ: {q4[3]} vs {k4[3]}")
+    if k4[2] == 0 or q4[2] % k4[2]:
+        raise ValueError(
+            f"query heads ({q4[2]}) must be a multiple of key/value heads ({k4[2]}) (GQA/MQA)"
+        )
+    if q4[1] < 1 or k4[1] < 1:
+        raise ValueError(f"sequence lengths must be >= 1; got query {q4[1]}, key {k4[1]}")
+    if q4[3] < 1 or v4[3] < 1:
+        raise ValueError("head dims must be >= 1")
+
+
+def _resolve_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError("scale must be a static Python float, not a traced value")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale == 0.0:
+        raise ValueError(f"scale must be finite and non-zero, got {scale}")
+    return scale
+
+
+def _check_implementation(implementation, dtype, head_dim: int, head_dim_v: int) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if implementation == "cute":
+        err = any_kernel_support_error(dtype, head_dim, head_dim_v)
+        if err is not None:
+            kind = TypeError if "dtype" in err else ValueError
+            raise kind(f"jax_fa4: implementation='cute' but {err}")
+
+
+# The VJP: gradients of both outputs (out and lse) flow into fa4_bwd.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, config: AttentionConfig):
+    return tuple(fa4_fwd_p.bind(q, k, v, config=config))
+
+
+def _attention_fwd(q, k, v, config):
+    out, lse = fa4_fwd_p.bind(q, k, v, config=config)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(config, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dout, dlse = cotangents
+    dq, dk, dv = fa4_bwd_p.bind(
+        q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32), config=config
+    )
+    return dq, dk, dv
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Fused scaled dot-product attention (FlashAttention-4 kernels).
+
+    Args:
+      query: ``[B, Sq, Hq, D]`` (or unbatched ``[Sq, Hq, D]``).
+      key: ``[B, Sk, Hkv, D]``; Hq must be a multiple of Hkv (GQA / MQA).
+      value: ``[B, Sk, Hkv, Dv]``.
+      scale: softmax scale, default ``1 / sqrt(D)``.
+      causal: top-left causal mask: query i sees key j iff j <= i (as
+        ``jax.nn.dot_product_attention(is_causal=True)``).
+      return_lse: also return the log-sum-exp of the scaled logits.
+      implementation: None = the CuTe DSL kernel where one exists for the
+        device, dtype and head dims, else the reference path (logged once);
+        "cute" = the kernel or a clear error; "reference" = pure JAX.
+
+    Returns:
+      ``out [B, Sq, Hq, Dv]`` in the input dtype; with ``return_lse``,
+      ``(out, lse)`` where ``lse`` is ``[B, Hq, Sq]`` float32 (natural log) and
+      differentiable.
+    """
+    _check_qkv(query, key, value)
+    head_dim, head_dim_v = int(query.shape[-1]), int(value.shape[-1])
+    _check_implementation(implementation, query.dtype, head_dim, head_dim_v)
+    config = AttentionConfig(
+        scale=_resolve_scale(scale, head_dim), causal=bool(causal), implementation=implementation
+    )
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    out, lse = _attention(query, key, value, config)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def _seq_len_mask(query_seq_lengths, key_value_seq_lengths, sq: int, sk: int):
+    mask = None
+    if query_seq_lengths is not None:
+        mask = (jnp.arange(sq)[None, :] < query_seq_lengths[:, None])[:, None, :, None]
+    if key_value_seq_lengths is not None:
+        kv = (jnp.arange(sk)[None, :] < key_value_seq_lengths[:, None])[:, None, None, :]
+        mask = kv if mask is None else mask & kv
+    return mask
+
+
+def _window_mask(local_window_size, sq: int, sk: int):
+    if isinstance(local_window_size, int):
+        left, right = local_window_size, local_window_size
+    else:
+        left, right = local_window_size
+    if left < 0 or right < 0:
+        raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
+    i = jnp.arange(sq)[:, None]
+    j = jnp.arange(sk)[None, :]
+    return (j >= i - left) & (j <= i + right)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+) -> Any:
+    """Drop-in replacement for ``jax.nn.dot_product_attention``.
+
+    Same arguments and semantics (shapes ``[B, T, N, H]`` or ``[T, N, H]``).
+    ``implementation`` takes None / "cute" / "reference" ("xla" is read as
+    "reference"). Arguments the kernels cannot take (bias, dense mask,
+    sequence lengths, local windows) run the reference path, logged once;
+    with ``implementation="cute"`` they raise instead. ``return_residual``
+    also returns the log-sum-exp as ``[B, T, N]``, as jax.nn does.
+    """
+    if implementation == "xla":
+        implementation = "reference"
+    if implementation == "cudnn":
+        raise ValueError("jax_fa4.dot_product_attention: use jax.nn for implementation='cudnn'")
+    extras = {
+        "bias": bias,
+        "mask": mask,
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+        "local_window_size": local_window_size,
+    }
+    used = [name for name, val in extras.items() if val is not None]
+    if not used:
+        out = attention(
+            query,
+            key,
+            value,
+            scale=scale,
+            causal=is_causal,
+            return_lse=return_residual,
+            implementation=implementation,
+        )
+        if return_residual:
+            out, lse = out
+            return out, jnp.swapaxes(lse, -1, -2)
+        return out
+
+    _check_qkv(query, key, value)
+    if implementation == "cute":
+        raise ValueError(
+            f"jax_fa4: implementation='cute' cannot take {', '.join(used)}; "
+            "use implementation=None or 'reference'"
+        )
+    if implementation is None:
+        log_once(
+            f"jax_fa4.dot_product_attention: {', '.join(used)} given; no kernel takes "
+            "them, using the dense reference path"
+        )
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+        bias = None if bias is None else jnp.asarray(bias)[None] if bias.ndim == 3 else bias
+        mask = None if mask is None else jnp.asarray(mask)[None] if mask.ndim == 3 else mask
+    sq, sk = query.shape[1], key.shape[1]
+    full_mask = None if mask is None else jnp.asarray(mask).astype(bool)
+    for extra in (
+        _seq_len_mask(query_seq_lengths, key_value_seq_lengths, sq, sk),
+        None if local_window_size is None else _window_mask(local_window_size, sq, sk),
+    ):
+        if extra is not None:
+            full_mask = extra if full_mask is None else full_mask & extra
+    out, lse = reference.attention_dense(
+        query,
+        key,
+        value,
+        scale=_resolve_scale(scale, query.shape[-1]),
+        causal=is_causal,
+        bias=bias,
+        mask=full_mask,
+    )
+    if unbatched:
+        out, lse = out[0], lse[0]
+    if return_residual:
+        return out, jnp.swapaxes(lse, -1, -2)
+    return out

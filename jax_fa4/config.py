@@ -1,0 +1,119 @@
+"""Static parameters: what the primitives carry and what keys a compiled kernel.
+
+`AttentionConfig` travels with every `fa4_fwd` / `fa4_bwd` bind as one frozen,
+hashable value (never a loose tuple of positional params: a forgotten field
+would silently reuse the wrong binary). `KernelKey` is the compile key of one
+CuTe DSL kernel: one binary per key serves every batch size, sequence length
+and head count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = (None, "cute", "reference")
+
+# Head dims and dtypes the kernels of each architecture take (q/k head dim, v head dim).
+KERNEL_DTYPES = ("bfloat16", "float16")
+KERNEL_HEAD_DIMS = {
+    "sm_90a": ((64, 64), (128, 128)),
+}
+
+# Environment override of the kernel architecture, for lowering on a machine
+# without a GPU (CI cross-compiles) or to force one target: "sm_90a".
+ARCH_ENV = "JAX_FA4_ARCH"
+DEFAULT_CROSS_ARCH = "sm_90a"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static parameters of one attention call.
+
+    Attributes:
+      scale: the softmax scale applied to q.k.
+      causal: top-left causal masking (query i sees key j iff j <= i).
+      implementation: None (kernel where supported, else the logged reference
+        path), "cute" (kernel or error) or "reference".
+    """
+
+    scale: float
+    causal: bool
+    implementation: str | None = None
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """The compile key of one kernel: a new key means a new cute.compile."""
+
+    kind: str  # "fwd", "bwd_pre", "bwd", "bwd_post"
+    arch: str  # "sm_90a", "sm_100a"
+    dtype: str  # "bfloat16" / "float16"
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    scale: float
+
+
+def dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> str | None:
+    """Why no kernel of ``arch`` takes this problem, or None if one does."""
+    if arch not in KERNEL_HEAD_DIMS:
+        return f"no jax_fa4 kernel for architecture {arch}"
+    if dtype_name(dtype) not in KERNEL_DTYPES:
+        return f"dtype {dtype_name(dtype)} has no kernel (supported: {', '.join(KERNEL_DTYPES)})"
+    if (head_dim, head_dim_v) not in KERNEL_HEAD_DIMS[arch]:
+        dims = ", ".join(f"{d}" if d == dv else f"({d}, {dv})" for d, dv in KERNEL_HEAD_DIMS[arch])
+        return (
+            f"head dims (qk={head_dim}, v={head_dim_v}) have no {arch} kernel "
+            f"(supported: {dims})"
+        )
+    return None
+
+
+def any_kernel_support_error(dtype, head_dim: int, head_dim_v: int) -> str | None:
+    """None if some architecture's kernel takes this problem, else the reason."""
+    errors = [kernel_support_error(a, dtype, head_dim, head_dim_v) for a in KERNEL_HEAD_DIMS]
+    if any(e is None for e in errors):
+        return None
+    return errors[0]
+
+
+def arch_from_compute_capability(cc: str | None) -> str | None:
+    """Map a device compute capability ("9.0", "10.0") to a kernel target."""
+    if cc is None:
+        return None
+    return {"9.0": "sm_90a", "10.0": "sm_100a"}.get(str(cc))
+
+
+def target_arch() -> tuple[str | None, str]:
+    """The kernel architecture to lower CUDA code for, and where it came from.
+
+    The environment override wins; else the first visible CUDA device's
+    compute capability; with no CUDA device visible (cross-compiling for
+    cuda from a CPU machine) the default cross target.
+    """
+    env = os.environ.get(ARCH_ENV)
+    if env:
+        return env, f"${ARCH_ENV}"
+    import jax
+
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        devices = []
+    if devices:
+        cc = getattr(devices[0], "compute_capability", None)
+        return arch_from_compute_capability(cc), f"device compute capability {cc}"
+    return DEFAULT_CROSS_ARCH, "no CUDA device visible (cross-compile default)"

@@ -1,0 +1,166 @@
+"""How a compiled CuTe DSL kernel becomes an XLA custom call.
+
+This is the only module that knows about `cutlass.jax`. It compiles a kernel
+once per `KernelKey` with dynamic batch / sequence / head extents and emits a
+`jax.ffi.ffi_call` to the CuTe DSL runtime's FFI target carrying the compiled
+object. `cutlass.jax.cutlass_call` would re-enter `cute.compile` for every new
+argument shape (its cache is keyed by shapes); here the key is the kernel
+configuration alone, so a training loop with varying sequence lengths compiles
+each configuration once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_fa4.config import KernelKey
+
+logger = logging.getLogger("jax_fa4")
+
+_lock = threading.Lock()
+_compiled: dict[KernelKey, Any] = {}
+compile_seconds: dict[KernelKey, float] = {}
+
+
+def cutlass_available() -> str | None:
+    """None if nvidia-cutlass-dsl's JAX bridge imports, else why not."""
+    try:
+        import cutlass.jax as cj  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"nvidia-cutlass-dsl is not importable ({type(e).__name__}: {e})"
+    if not cj.is_available():
+        return "nvidia-cutlass-dsl's JAX extensions are not available"
+    return None
+
+
+def _ensure_arch_env(arch: str) -> None:
+    # The DSL reads CUTE_DSL_ARCH when its singletons are built and defaults
+    # silently to sm_100a without a GPU; pin it to the target we lower for.
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+
+
+def _specs(structs: Sequence[Any], static_dims: Sequence[Sequence[int]]):
+    from cutlass.jax import TensorSpec
+
+    specs = []
+    for s, static in zip(structs, static_dims, strict=True):
+        # Explicit divisibility 1 keeps batch / sequence / head extents dynamic:
+        # without it the bridge would assume the first call's concrete extents.
+        div = tuple(int(s.shape[i]) if i in static else 1 for i in range(len(s.shape)))
+        specs.append(TensorSpec(divisibility=div))
+    return tuple(specs)
+
+
+def _canonical(struct: Any, static: Sequence[int]) -> jax.ShapeDtypeStruct:
+    # The binary must not depend on the first call's extents: compile against
+    # placeholder extents of 1 on every dynamic dimension.
+    shape = tuple(int(d) if i in static else 1 for i, d in enumerate(struct.shape))
+    return jax.ShapeDtypeStruct(shape, struct.dtype)
+
+
+def compile_kernel(
+    key: KernelKey,
+    build: Callable[[], Any],
+    in_structs: Sequence[Any],
+    out_structs: Sequence[Any],
+    in_static: Sequence[Sequence[int]],
+    out_static: Sequence[Sequence[int]],
+    aliases: Mapping[int, int],
+) -> Any:
+    """Compile (once per key) and return the bridge's compile result."""
+    with _lock:
+        hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    _ensure_arch_env(key.arch)
+    import cutlass.jax.compile as cjc  # the bridge's compile entry (public module)
+
+    ins = [_canonical(s, st) for s, st in zip(in_structs, in_static, strict=True)]
+    outs = [_canonical(s, st) for s, st in zip(out_structs, out_static, strict=True)]
+    in_specs = _specs(ins, in_static)
+    out_specs = _specs(outs, out_static)
+    in_tree = jax.tree.structure(tuple(range(len(ins))))
+    out_tree = jax.tree.structure(tuple(range(len(outs))))
+
+    spec = _build_spec(cjc, ins, in_tree, outs, out_tree, in_specs, out_specs, aliases, key)
+    kernel = build()
+    t0 = time.perf_counter()
+    result = cjc.get_or_compile_kernel(kernel, spec, compile_key=("jax_fa4", key))
+    dt = time.perf_counter() - t0
+    logger.info("jax_fa4: compiled %s in %.2f s", key, dt)
+    with _lock:
+        _compiled[key] = result
+        compile_seconds[key] = dt
+    return result
+
+
+def _build_spec(cjc, ins, in_tree, outs, out_tree, in_specs, out_specs, aliases, key):
+    # build_function_spec type-checks inputs as jax.Array; the placeholders we
+    # compile against are ShapeDtypeStructs, so build the Arg records directly.
+    in_args = tuple(
+        cjc.Arg(i, tuple(s.shape), np.dtype(s.dtype), sp)
+        for i, (s, sp) in enumerate(zip(ins, in_specs, strict=True))
+    )
+    out_args = tuple(
+        cjc.Arg(i, tuple(s.shape), np.dtype(s.dtype), sp)
+        for i, (s, sp) in enumerate(zip(outs, out_specs, strict=True))
+    )
+    aliased_outputs = set(aliases.values())
+    kernel_out_tree = jax.tree.structure(
+        tuple(i for i in range(len(outs)) if i not in aliased_outputs)
+    )
+    return cjc.FunctionSpec(
+        in_args=in_args,
+        input_tree=in_tree,
+        out_args=out_args,
+        output_tree=kernel_out_tree,
+        input_output_aliases=tuple(sorted(aliases.items())),
+        input_spec=tuple(in_specs),
+        output_spec=tuple(out_specs),
+        compile_options=f"--gpu-arch {key.arch}",
+        use_static_tensors=False,
+        kwargs=(),
+    )
+
+
+def kernel_call(
+    key: KernelKey,
+    build: Callable[[], Any],
+    inputs: Sequence[jax.Array],
+    out_structs: Sequence[jax.ShapeDtypeStruct],
+    *,
+    in_static: Sequence[Sequence[int]],
+    out_static: Sequence[Sequence[int]],
+    aliases: Mapping[int, int] | None = None,
+) -> tuple[jax.Array, ...]:
+    """Call the kernel of ``key`` on ``inputs``; returns the outputs.
+
+    Args:
+      key: the compile key; `build()` makes the kernel object on a cache miss.
+      inputs / out_structs: row-major operands and result shapes.
+      in_static / out_static: per tensor, the dimensions that are compile-time
+        constants (head dims); every other extent is read at run time.
+      aliases: input index -> output index sharing a buffer (updated in place).
+    """
+    import cutlass.jax as cj
+
+    aliases = dict(aliases or {})
+    result = compile_kernel(
+        key, build, inputs, out_structs, in_static, out_static, aliases
+    )
+    cj.register_ffi()
+    target = cj.get_cutlass_call_ffi_name(True, cj.get_cutlass_call_ffi_version())
+    call = jax.ffi.ffi_call(
+        target,
+        result_shape_dtypes=tuple(out_structs),
+        input_output_aliases=aliases,
+    )
+    return tuple(call(*inputs, module=result.module, key=result.fingerprint))

@@ -1,0 +1,136 @@
+"""The CUDA lowering of the primitives: which kernels run, in which order.
+
+Forward: one kernel. Backward: preprocess (Dpsum, LSE in log2 units, zeroed
+fp32 dQ accumulator) -> main kernel (dK, dV; dQ accumulated in place) ->
+postprocess (dQ to 16-bit). Every tensor crosses the custom call in the
+`[B, S, H, D]` layout the user gave; no transposes are added around it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_fa4.config import AttentionConfig, KernelKey, dtype_name
+from jax_fa4.ffi import cutlass_available, kernel_call
+
+# Per tensor: the dimensions that are compile-time constants (the head dims).
+_BSHD = (3,)
+_BHS = ()
+
+
+def unavailable() -> str | None:
+    """None when the kernels can be compiled here, else why not."""
+    return cutlass_available()
+
+
+def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
+    return KernelKey(
+        kind=kind,
+        arch=arch,
+        dtype=dtype_name(q.dtype),
+        head_dim=int(q.shape[-1]),
+        head_dim_v=int(v.shape[-1]),
+        causal=bool(config.causal),
+        scale=float(config.scale),
+    )
+
+
+def _fwd_kernel(key: KernelKey):
+    import cutlass
+
+    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
+    if key.arch == "sm_90a":
+        from jax_fa4.kernels.sm90_fwd import FlashFwdSm90
+
+        return FlashFwdSm90(dtype, key.head_dim, key.head_dim_v, key.causal, key.scale)
+    raise NotImplementedError(f"no forward kernel for {key.arch}")
+
+
+def forward(q, k, v, *, config: AttentionConfig, arch: str):
+    """(out [B,Sq,Hq,Dv], lse [B,Hq,Sq] f32) from the forward kernel."""
+    b, sq, hq, _ = q.shape
+    key = _key("fwd", arch, q, v, config)
+    out_structs = (
+        jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((b, hq, sq), jax.numpy.float32),
+    )
+    out, lse = kernel_call(
+        key,
+        functools.partial(_fwd_kernel, key),
+        (q, k, v),
+        out_structs,
+        in_static=(_BSHD, _BSHD, _BSHD),
+        out_static=(_BSHD, _BHS),
+    )
+    return out, lse
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _pre_kernel(key: KernelKey):
+    from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess
+
+    return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim)
+
+
+def _bwd_kernel(key: KernelKey):
+    if key.arch == "sm_90a":
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
+
+        return FlashBwdSm90(
+            _cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale
+        )
+    raise NotImplementedError(f"no backward kernel for {key.arch}")
+
+
+def _post_kernel(key: KernelKey):
+    from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
+
+    return FlashBwdPostprocess(_cutlass_dtype(key.dtype), key.head_dim, key.scale)
+
+
+def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str):
+    """(dq, dk, dv) from the three backward kernels."""
+    from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
+
+    b, sq, hq, d = q.shape
+    ws = bwd_workspace_shapes(b, sq, hq, d)
+    ws_structs = tuple(
+        jax.ShapeDtypeStruct(ws[name][0], ws[name][1]) for name in ("Dpsum", "LSElog2", "dQaccum")
+    )
+    # Arch-neutral pre/post kernels: key them without the mask and scale they ignore.
+    pre_key = _key("bwd_pre", arch, q, v, AttentionConfig(scale=1.0, causal=False))
+    dpsum, lse_log2, dq_accum = kernel_call(
+        pre_key,
+        functools.partial(_pre_kernel, pre_key),
+        (out, dout, lse, dlse),
+        ws_structs,
+        in_static=(_BSHD, _BSHD, _BHS, _BHS),
+        out_static=(_BHS, _BHS, _BSHD),
+    )
+    main_key = _key("bwd", arch, q, v, config)
+    dq_accum, dk, dv = kernel_call(
+        main_key,
+        functools.partial(_bwd_kernel, main_key),
+        (q, k, v, dout, lse_log2, dpsum, dq_accum),
+        (ws_structs[2], jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        in_static=(_BSHD, _BSHD, _BSHD, _BSHD, _BHS, _BHS, _BSHD),
+        out_static=(_BSHD, _BSHD, _BSHD),
+        aliases={6: 0},
+    )
+    post_key = _key("bwd_post", arch, q, v, AttentionConfig(scale=config.scale, causal=False))
+    (dq,) = kernel_call(
+        post_key,
+        functools.partial(_post_kernel, post_key),
+        (dq_accum,),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),),
+        in_static=(_BSHD,),
+        out_static=(_BSHD,),
+    )
+    return dq, dk, dv

@@ -1,0 +1,170 @@
+"""The `fa4_fwd` and `fa4_bwd` primitives and all their rules, registered here.
+
+* abstract eval: shapes and dtypes;
+* batching: any vmap axis of any operand folds into the batch dimension;
+* lowering: CUDA -> our CuTe DSL kernels through `jax_fa4.ffi` when the target
+  architecture has a kernel for the problem; every other platform (and CUDA
+  without a kernel) -> the blockwise pure-JAX reference, logged once.
+The VJP (a `jax.custom_vjp` over the two primitives) lives in `jax_fa4.api`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_fa4 import reference
+from jax_fa4.config import AttentionConfig, kernel_support_error, target_arch
+from jax_fa4.rules import kernels_cuda
+
+logger = logging.getLogger("jax_fa4")
+_logged: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    """Log a fallback reason once per process (visible, never silent)."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
+fa4_fwd_p = Primitive("fa4_fwd")
+fa4_fwd_p.multiple_results = True
+fa4_bwd_p = Primitive("fa4_bwd")
+fa4_bwd_p.multiple_results = True
+
+
+def _impl(prim, *args, config):
+    # Eager calls run the same compiled path as jit.
+    return jax.jit(functools.partial(prim.bind, config=config))(*args)
+
+
+fa4_fwd_p.def_impl(functools.partial(_impl, fa4_fwd_p))
+fa4_bwd_p.def_impl(functools.partial(_impl, fa4_bwd_p))
+
+
+# ----------------------------------------------------------------------------
+# Abstract evaluation
+
+
+@fa4_fwd_p.def_abstract_eval
+def _fwd_abstract(q, k, v, *, config: AttentionConfig):
+    del config
+    b, sq, hq, _ = q.shape
+    out = jax.core.ShapedArray((b, sq, hq, v.shape[-1]), q.dtype)
+    lse = jax.core.ShapedArray((b, hq, sq), jnp.float32)
+    return out, lse
+
+
+@fa4_bwd_p.def_abstract_eval
+def _bwd_abstract(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig):
+    del out, lse, dout, dlse, config
+    return (
+        jax.core.ShapedArray(q.shape, q.dtype),
+        jax.core.ShapedArray(k.shape, k.dtype),
+        jax.core.ShapedArray(v.shape, v.dtype),
+    )
+
+
+# ----------------------------------------------------------------------------
+# Batching: fold the vmapped axis into the batch dimension (axis 0 of every
+# operand and result), so the kernels see one larger batch.
+
+
+def _fold(x, bdim, size):
+    if bdim is batching.not_mapped:
+        x = jnp.broadcast_to(x, (size,) + x.shape)
+    else:
+        x = jnp.moveaxis(x, bdim, 0)
+    return x.reshape((size * x.shape[1],) + x.shape[2:])
+
+
+def _unfold(x, size):
+    return x.reshape((size, x.shape[0] // size) + x.shape[1:])
+
+
+def _batch_rule(prim, args, dims, *, config):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    folded = [_fold(a, d, size) for a, d in zip(args, dims)]
+    results = prim.bind(*folded, config=config)
+    return [_unfold(r, size) for r in results], [0] * len(results)
+
+
+batching.primitive_batchers[fa4_fwd_p] = functools.partial(_batch_rule, fa4_fwd_p)
+batching.primitive_batchers[fa4_bwd_p] = functools.partial(_batch_rule, fa4_bwd_p)
+
+
+# ----------------------------------------------------------------------------
+# Lowering
+
+
+def _reference_fwd(q, k, v, *, config):
+    return reference.attention_blockwise(q, k, v, scale=config.scale, causal=config.causal)
+
+
+def _reference_bwd(q, k, v, out, lse, dout, dlse, *, config):
+    return reference.attention_bwd_blockwise(
+        q, k, v, out, lse, dout, dlse, scale=config.scale, causal=config.causal
+    )
+
+
+class KernelUnavailableError(ValueError):
+    """implementation="cute" was asked for where no kernel can run."""
+
+
+def _no_kernel(config: AttentionConfig, why: str) -> None:
+    if config.implementation == "cute":
+        raise KernelUnavailableError(f"jax_fa4: implementation='cute' but {why}")
+    if config.implementation is None:
+        log_once(f"jax_fa4: {why}; using the reference path (pure JAX, slower)")
+
+
+def _kernel_problem(ctx, config) -> tuple[str | None, str | None]:
+    """(arch, None) when a kernel serves this lowering, else (None, reason)."""
+    if config.implementation == "reference":
+        return None, "reference requested"
+    q, _, v = ctx.avals_in[:3]
+    arch, source = target_arch()
+    if arch is None:
+        return None, f"no kernel for this GPU ({source})"
+    err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
+    if err is None:
+        err = kernels_cuda.unavailable()
+    return (arch, None) if err is None else (None, err)
+
+
+def _make_lowering(reference_fn, kernel_fn, platform):
+    ref_lowering = mlir.lower_fun(reference_fn, multiple_results=True)
+
+    def lowering(ctx, *args, config):
+        if platform != "cuda":
+            if config.implementation != "reference":
+                _no_kernel(config, f"no jax_fa4 kernel on platform {platform}")
+            return ref_lowering(ctx, *args, config=config)
+        arch, why = _kernel_problem(ctx, config)
+        if arch is None:
+            if config.implementation != "reference":
+                _no_kernel(config, why)
+            return ref_lowering(ctx, *args, config=config)
+        fn = functools.partial(kernel_fn, config=config, arch=arch)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+    return lowering
+
+
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    mlir.register_lowering(
+        fa4_fwd_p,
+        _make_lowering(_reference_fwd, kernels_cuda.forward, _platform),
+        platform=_platform,
+    )
+    mlir.register_lowering(
+        fa4_bwd_p,
+        _make_lowering(_reference_bwd, kernels_cuda.backward, _platform),
+        platform=_platform,
+    )
