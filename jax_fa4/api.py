@@ -36,7 +36,8 @@ def _check_qkv(query, key, value) -> None:
         )
     if not query.dtype == key.dtype == value.dtype:
         raise TypeError(
-            f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
+            "query, key and value must share a dtype; got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
         )
     q4 = query.shape if query.ndim == 4 else (1,) + tuple(query.shape)
     k4 = key.shape if key.ndim == 4 else (1,) + tuple(key.shape)

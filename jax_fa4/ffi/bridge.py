@@ -11,8 +11,10 @@ each configuration once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,12 +28,34 @@ from jax_fa4.config import KernelKey
 logger = logging.getLogger("jax_fa4")
 
 _lock = threading.Lock()
-_compiled: dict[KernelKey, Any] = {}
+_compiled: dict[tuple, Any] = {}
 compile_seconds: dict[KernelKey, float] = {}
+_poison = threading.local()
 
 
-def cutlass_available() -> str | None:
-    """None if nvidia-cutlass-dsl's JAX bridge imports, else why not."""
+@contextlib.contextmanager
+def poison_outputs(enabled: bool = True):
+    """Testing aid: kernels lowered inside this context write into NaN-filled buffers.
+
+    Every output a kernel writes is passed in as a NaN-filled input aliased to
+    that output, so an element the kernel forgets to write stays NaN. The
+    kernel sees the same arguments either way.
+    """
+    old = getattr(_poison, "on", False)
+    _poison.on = enabled
+    try:
+        yield
+    finally:
+        _poison.on = old
+
+
+def cutlass_available(arch: str | None = None) -> str | None:
+    """None if nvidia-cutlass-dsl's JAX bridge imports, else why not.
+
+    ``arch``, when given, is exported as CUTE_DSL_ARCH before a first import.
+    """
+    if arch is not None and "cutlass" not in sys.modules:
+        os.environ["CUTE_DSL_ARCH"] = arch
     try:
         import cutlass.jax as cj  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the install
@@ -41,10 +65,19 @@ def cutlass_available() -> str | None:
     return None
 
 
-def _ensure_arch_env(arch: str) -> None:
-    # The DSL reads CUTE_DSL_ARCH when its singletons are built and defaults
-    # silently to sm_100a without a GPU; pin it to the target we lower for.
-    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+def _pin_arch(arch: str) -> None:
+    """Make the DSL compile for ``arch``.
+
+    The DSL reads CUTE_DSL_ARCH when its singleton is built (at import) and
+    otherwise detects the GPU, defaulting silently to sm_100a without one. Set
+    the variable for a first import, and the singleton's target for the case
+    where cutlass was imported earlier. (Its `--gpu-arch` compile option is no
+    substitute: with it the host object fails to export.)
+    """
+    os.environ["CUTE_DSL_ARCH"] = arch
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL  # no public setter exists
+
+    CuTeDSL._get_dsl().envar.arch = arch
 
 
 def _specs(structs: Sequence[Any], static_dims: Sequence[Sequence[int]]):
@@ -75,12 +108,12 @@ def compile_kernel(
     out_static: Sequence[Sequence[int]],
     aliases: Mapping[int, int],
 ) -> Any:
-    """Compile (once per key) and return the bridge's compile result."""
+    """Compile (once per key and call frame) and return the bridge's compile result."""
+    frame = (key, len(in_structs), len(out_structs), tuple(sorted(aliases.items())))
     with _lock:
-        hit = _compiled.get(key)
+        hit = _compiled.get(frame)
     if hit is not None:
         return hit
-    _ensure_arch_env(key.arch)
     import cutlass.jax.compile as cjc  # the bridge's compile entry (public module)
 
     ins = [_canonical(s, st) for s, st in zip(in_structs, in_static, strict=True)]
@@ -91,13 +124,14 @@ def compile_kernel(
     out_tree = jax.tree.structure(tuple(range(len(outs))))
 
     spec = _build_spec(cjc, ins, in_tree, outs, out_tree, in_specs, out_specs, aliases, key)
-    kernel = build()
     t0 = time.perf_counter()
-    result = cjc.get_or_compile_kernel(kernel, spec, compile_key=("jax_fa4", key))
+    with _lock:
+        _pin_arch(key.arch)
+        result = cjc.get_or_compile_kernel(build(), spec, compile_key=("jax_fa4", key))
     dt = time.perf_counter() - t0
     logger.info("jax_fa4: compiled %s in %.2f s", key, dt)
     with _lock:
-        _compiled[key] = result
+        _compiled[frame] = result
         compile_seconds[key] = dt
     return result
 
@@ -125,7 +159,7 @@ def _build_spec(cjc, ins, in_tree, outs, out_tree, in_specs, out_specs, aliases,
         input_output_aliases=tuple(sorted(aliases.items())),
         input_spec=tuple(in_specs),
         output_spec=tuple(out_specs),
-        compile_options=f"--gpu-arch {key.arch}",
+        compile_options=None,
         use_static_tensors=False,
         kwargs=(),
     )
@@ -153,6 +187,13 @@ def kernel_call(
     import cutlass.jax as cj
 
     aliases = dict(aliases or {})
+    inputs, in_static = list(inputs), list(in_static)
+    if getattr(_poison, "on", False):
+        for i, (st, static) in enumerate(zip(out_structs, out_static, strict=True)):
+            if i not in aliases.values():
+                aliases[len(inputs)] = i
+                inputs.append(jax.numpy.full(st.shape, jax.numpy.nan, st.dtype))
+                in_static.append(static)
     result = compile_kernel(
         key, build, inputs, out_structs, in_static, out_static, aliases
     )

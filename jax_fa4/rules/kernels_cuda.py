@@ -20,9 +20,9 @@ _BSHD = (3,)
 _BHS = ()
 
 
-def unavailable() -> str | None:
-    """None when the kernels can be compiled here, else why not."""
-    return cutlass_available()
+def unavailable(arch: str) -> str | None:
+    """None when the kernels of ``arch`` can be compiled here, else why not."""
+    return cutlass_available(arch)
 
 
 def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
@@ -119,7 +119,11 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
         main_key,
         functools.partial(_bwd_kernel, main_key),
         (q, k, v, dout, lse_log2, dpsum, dq_accum),
-        (ws_structs[2], jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        (
+            ws_structs[2],
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+        ),
         in_static=(_BSHD, _BSHD, _BSHD, _BSHD, _BHS, _BHS, _BSHD),
         out_static=(_BSHD, _BSHD, _BSHD),
         aliases={6: 0},

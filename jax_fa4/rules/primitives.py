@@ -77,7 +77,7 @@ def _bwd_abstract(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig):
 
 
 def _fold(x, bdim, size):
-    if bdim is batching.not_mapped:
+    if bdim is None:
         x = jnp.broadcast_to(x, (size,) + x.shape)
     else:
         x = jnp.moveaxis(x, bdim, 0)
@@ -89,7 +89,7 @@ def _unfold(x, size):
 
 
 def _batch_rule(prim, args, dims, *, config):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     folded = [_fold(a, d, size) for a, d in zip(args, dims)]
     results = prim.bind(*folded, config=config)
     return [_unfold(r, size) for r in results], [0] * len(results)
@@ -134,7 +134,7 @@ def _kernel_problem(ctx, config) -> tuple[str | None, str | None]:
         return None, f"no kernel for this GPU ({source})"
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
     if err is None:
-        err = kernels_cuda.unavailable()
+        err = kernels_cuda.unavailable(arch)
     return (arch, None) if err is None else (None, err)
 
 

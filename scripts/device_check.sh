@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (see ../shared/device/README.md): GPU tests, the
+# example, and the benchmark, with logs under $OUT and a short summary last.
+#   bash scripts/device_check.sh [tests|bench|quick|all] [extra pytest args...]
+# Run after `bash .device/install.sh && . /opt/jax_fa4_site/env.sh`.
+set -uo pipefail
+what=${1:-all}; shift || true
+out=${OUT:-/tmp/jax_fa4_out}; mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
+python -c "import jax, cutlass; print('jax', jax.__version__, 'cutlass-dsl', cutlass.__version__ if hasattr(cutlass,'__version__') else '?', jax.devices())"
+summary=""
+if [[ $what == tests || $what == all ]]; then
+  python -m pytest -m gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  summary+="gpu tests: $(tail -1 "$out/gpu_tests.log")"$'\n'
+fi
+if [[ $what == all ]]; then
+  python examples/train_tiny_transformer.py --steps 20 2>&1 | tee "$out/example.log" | tail -4
+  summary+="example: $(tail -1 "$out/example.log")"$'\n'
+fi
+if [[ $what == bench || $what == quick || $what == all ]]; then
+  flag=""; [[ $what != bench ]] && flag="--quick"
+  python benchmarks/bench_attention.py $flag --out "$out" 2>&1 | tee "$out/bench.log" | tail -40
+fi
+echo "=== summary"; printf "%s" "$summary"

@@ -1,0 +1,58 @@
+"""Shared test helpers: GPU detection, inputs, and the 2x-of-low-precision rule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+
+
+def _suitable_gpu() -> str | None:
+    """None if an sm_90a GPU and the CuTe DSL are here, else why not."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return "no CUDA device"
+    if not devices:
+        return "no CUDA device"
+    cc = getattr(devices[0], "compute_capability", None)
+    if str(cc) != "9.0":
+        return f"GPU compute capability {cc} is not 9.0 (sm_90a)"
+    from jax_fa4.ffi import cutlass_available
+
+    return cutlass_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    why = _suitable_gpu()
+    if why is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs an sm_90a GPU: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def rand_qkv(seed, b, sq, sk, hq, hkv, d, dv=None, dtype=jnp.bfloat16):
+    dv = d if dv is None else dv
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, sq, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, sk, hkv, dv), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def max_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def assert_close_2x(got, ref_hi, ref_lo, atol: float, name: str = "") -> None:
+    """Error of `got` vs the f32 reference <= 2x the low-precision error + atol."""
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    err = max_err(got, ref_hi)
+    base = max_err(ref_lo, ref_hi)
+    assert err <= 2 * base + atol, f"{name}: err {err:.3e} > 2 * {base:.3e} + {atol:.1e}"

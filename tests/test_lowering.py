@@ -1,0 +1,98 @@
+"""The CUDA path builds on a machine without a GPU: lowering for platform cuda
+cross-compiles the sm_90a kernels (forward and the three backward kernels) and
+emits custom calls that read and write the [B, S, H, D] layout directly."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_fa4
+from jax_fa4.ffi import compile_seconds, cutlass_available
+
+pytestmark = pytest.mark.skipif(cutlass_available() is not None, reason="no CuTe DSL")
+
+CALL = "CuteDSLRT_NvJaxCutlassCall"
+
+
+def _lower(fn, *structs):
+    return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _structs(b, sq, sk, hq, hkv, d, dtype):
+    return (
+        jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
+        jax.ShapeDtypeStruct((b, sk, hkv, d), dtype),
+        jax.ShapeDtypeStruct((b, sk, hkv, d), dtype),
+    )
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_forward_and_backward_lower_for_cuda(monkeypatch, d, causal, dtype):
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+
+    def loss(q, k, v):
+        out, lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True, implementation="cute")
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    structs = _structs(2, 113, 203, 8, 2, d, dtype)
+    fwd = _lower(lambda q, k, v: jax_fa4.attention(q, k, v, causal=causal), *structs)
+    assert fwd.count(CALL) == 1
+    bwd = _lower(jax.grad(loss, argnums=(0, 1, 2)), *structs)
+    # forward + preprocess + main backward + postprocess
+    assert bwd.count(CALL) == 4
+    # No layout shuffles around the custom calls: the kernels read [B, S, H, D].
+    assert "stablehlo.transpose" not in fwd
+    assert "stablehlo.transpose" not in bwd
+
+
+def test_one_binary_serves_every_shape(monkeypatch):
+    """A kernel configuration compiles once; new batch / sequence / head counts reuse it."""
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    fn = lambda q, k, v: jax_fa4.attention(q, k, v, scale=0.125, implementation="cute")  # noqa: E731
+    _lower(fn, *_structs(1, 128, 128, 2, 2, 64, jnp.bfloat16))
+    n = len(compile_seconds)
+    for shape in [(3, 17, 4097, 4, 1), (2, 1000, 1, 6, 3), (5, 1, 1, 1, 1)]:
+        txt = _lower(fn, *_structs(*shape, 64, jnp.bfloat16))
+        assert CALL in txt
+    assert len(compile_seconds) == n
+
+
+def _cubin_sm_versions(hlo_text: str) -> list[int]:
+    """SM numbers of the CUDA ELF images (e_machine 190) inside the custom call's object."""
+    raw = re.search(r'module = "((?:[^"\\]|\\.)*)"', hlo_text).group(1)
+    raw = raw.replace("\\\\", "\\5C").encode("latin1")
+    blob = re.sub(rb"\\([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), raw)
+    assert blob.startswith(b"\x7fELF")  # the host object
+    sms = []
+    for m in re.finditer(rb"\x7fELF", blob):
+        machine = struct.unpack_from("<H", blob, m.start() + 18)[0]
+        flags = struct.unpack_from("<I", blob, m.start() + 0x30)[0]
+        if machine == 190:
+            # Old CUDA ELF ABI: SM in bits 0-7; new ABI (sm_100+): bits 8-15.
+            sms.append(flags & 0xFF if flags & 0xFF >= 20 else (flags >> 8) & 0xFF)
+    return sms
+
+
+def test_module_is_sm90a_code(monkeypatch):
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    txt = _lower(
+        lambda q, k, v: jax_fa4.attention(q, k, v, scale=0.3, implementation="cute"),
+        *_structs(1, 64, 64, 1, 1, 128, jnp.bfloat16),
+    )
+    assert _cubin_sm_versions(txt) == [90]
+
+
+def test_unsupported_arch_env_falls_back_or_raises(monkeypatch):
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_80")
+    structs = _structs(1, 16, 16, 1, 1, 64, jnp.bfloat16)
+    txt = _lower(lambda q, k, v: jax_fa4.attention(q, k, v), *structs)
+    assert CALL not in txt
+    with pytest.raises(jax_fa4.KernelUnavailableError, match="sm_80"):
+        _lower(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"), *structs)
