@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax.config.update("jax_enable_x64", False)
+# Tests compile kernels afresh: never load binaries an earlier run left in ~/.cache.
+os.environ["JAX_FA4_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_fa4_test_cache_")
 
 
 def _suitable_gpu() -> str | None:

@@ -96,3 +96,25 @@ def test_unsupported_arch_env_falls_back_or_raises(monkeypatch):
     assert CALL not in txt
     with pytest.raises(jax_fa4.KernelUnavailableError, match="sm_80"):
         _lower(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"), *structs)
+
+
+def test_disk_cache_lets_a_new_process_skip_compilation(monkeypatch, tmp_path):
+    import cutlass.jax.compile as cjc
+
+    from jax_fa4.ffi import bridge
+
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_FA4_CACHE_DIR", str(tmp_path))
+    fn = lambda q, k, v: jax_fa4.attention(q, k, v, scale=0.0625, implementation="cute")  # noqa: E731
+    structs = _structs(1, 64, 64, 1, 1, 64, jnp.float16)
+    first = _lower(fn, *structs)
+    assert len(list(tmp_path.glob("*.o"))) == 1
+    # A "new process": empty in-memory cache, and compiling is forbidden.
+    monkeypatch.setattr(bridge, "_compiled", {})
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled although the disk cache holds the kernel")
+
+    monkeypatch.setattr(cjc, "get_or_compile_kernel", no_compile)
+    second = _lower(lambda q, k, v: fn(q, k, v), *structs)
+    assert second.count(CALL) == 1 and first.count(CALL) == 1

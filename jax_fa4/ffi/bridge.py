@@ -12,6 +12,9 @@ each configuration once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import hashlib
 import logging
 import os
 import sys
@@ -125,15 +128,98 @@ def compile_kernel(
 
     spec = _build_spec(cjc, ins, in_tree, outs, out_tree, in_specs, out_specs, aliases, key)
     t0 = time.perf_counter()
-    with _lock:
-        _pin_arch(key.arch)
-        result = cjc.get_or_compile_kernel(build(), spec, compile_key=("jax_fa4", key))
-    dt = time.perf_counter() - t0
-    logger.info("jax_fa4: compiled %s in %.2f s", key, dt)
+    path = _disk_path(frame)
+    result = _disk_load(path)
+    if result is not None:
+        dt = time.perf_counter() - t0
+        logger.info("jax_fa4: loaded %s from %s in %.3f s", key, path, dt)
+    else:
+        with _lock:
+            _pin_arch(key.arch)
+            compiled = cjc.get_or_compile_kernel(build(), spec, compile_key=("jax_fa4", key))
+        result = Compiled(compiled.module, compiled.fingerprint)
+        dt = time.perf_counter() - t0
+        logger.info("jax_fa4: compiled %s in %.2f s", key, dt)
+        _disk_store(path, result)
     with _lock:
         _compiled[frame] = result
         compile_seconds[key] = dt
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A compiled kernel as the FFI target takes it: host object and its digest."""
+
+    module: bytes
+    fingerprint: bytes
+
+
+# On-disk cache of compiled kernels, so a second process skips cute.compile.
+# $JAX_FA4_CACHE_DIR sets the folder ("" or "0" turns the cache off); the
+# default is ~/.cache/jax_fa4. Entries are keyed by the kernel key, the call
+# frame, and a digest of the kernel sources and tool versions, so an edited
+# kernel or a new DSL never loads a stale binary.
+CACHE_ENV = "JAX_FA4_CACHE_DIR"
+
+
+def cache_dir() -> str | None:
+    """The compiled-kernel cache folder, or None when caching is off."""
+    d = os.environ.get(CACHE_ENV)
+    if d is None:
+        d = os.path.join(os.path.expanduser("~"), ".cache", "jax_fa4")
+    return None if d in ("", "0") else d
+
+
+@functools.cache
+def _sources_digest() -> str:
+    import cutlass
+    import cutlass.jax as cj
+
+    h = hashlib.sha256()
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for sub in ("kernels", "ffi"):
+        folder = os.path.join(pkg, sub)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    versions = (
+        getattr(cutlass, "__version__", "?"),
+        jax.__version__,
+        cj.get_cutlass_call_ffi_version(),
+    )
+    h.update(repr(versions).encode())
+    return h.hexdigest()
+
+
+def _disk_path(frame: tuple) -> str | None:
+    d = cache_dir()
+    if d is None:
+        return None
+    name = hashlib.sha256((repr(frame) + _sources_digest()).encode()).hexdigest()[:40]
+    return os.path.join(d, f"{name}.o")
+
+
+def _disk_load(path: str | None) -> Compiled | None:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        module = f.read()
+    return Compiled(module, hashlib.sha256(module).digest())
+
+
+def _disk_store(path: str | None, result: Compiled) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(result.module)
+        os.replace(tmp, path)  # atomic: concurrent processes never read half a file
+    except OSError as e:
+        logger.warning("jax_fa4: could not write the kernel cache %s: %s", path, e)
 
 
 def _build_spec(cjc, ins, in_tree, outs, out_tree, in_specs, out_specs, aliases, key):
