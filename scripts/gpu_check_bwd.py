@@ -1,0 +1,315 @@
+"""GPU check of the sm90 backward main kernel (jax_fa4/kernels/sm90_bwd.py) on an H200.
+
+Correctness: dq, dk, dv against jax.vjp of an f32 reference attention (LSE from the
+reference), with the 2x rule: the kernel's max error must be at most twice the error
+of the same math done in the input precision, plus a small atol. The preprocess
+(Dpsum, LSElog2, zeroed dQaccum) and postprocess (dQ = scale * dQaccum) are plain
+jax.numpy here so this script depends only on the main kernel.
+
+Each kernel configuration is exported once with symbolic B / S / H (jax.export), so
+one compiled binary serves every shape checked; that is the dynamic-extent contract.
+
+Timing: hdim 128 bf16 B=4 S=4096 H=16, causal and not, main kernel alone and with
+the jnp pre/post, against cuDNN's backward (jax.nn.dot_product_attention).
+
+Usage (device): python scripts/gpu_check_bwd.py [--quick] [--no-time]
+Logs go to $OUT (or /tmp) as gpu_check_bwd.log; a short table is printed last.
+"""
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from cutlass.jax import TensorSpec, cutlass_call, get_export_disabled_safety_checks  # noqa: E402
+from jax import export  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles  # noqa: E402
+
+log = logging.getLogger("gpu_check_bwd")
+LOG2_E = math.log2(math.e)
+CUTE_DTYPE = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}
+
+
+def round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def make_tiles(d, causal, variant):
+    """The kernel's own tile table, with a knob flipped for A/B variants."""
+    tiles = bwd_tiles(d, causal)
+    if variant == "plain":
+        tiles = dataclasses.replace(tiles, overlap_dv=False)
+    elif variant == "overlap":
+        tiles = dataclasses.replace(tiles, overlap_dv=True)
+    return tiles
+
+
+def kernel_call(dtype, d, causal, scale, variant="default"):
+    """The cutlass_call of the backward main kernel; shapes come from its arguments."""
+    kernel = FlashBwdSm90(CUTE_DTYPE[dtype], d, d, causal, scale,
+                          tiles=make_tiles(d, causal, variant))
+    s4 = TensorSpec(divisibility=(1, 1, 1, d))
+    s3 = TensorSpec(divisibility=(1, 1, 1))
+
+    def f(q, k, v, do, lse_log2, dpsum, dq_accum):
+        out = (jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
+               jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype))
+        return cutlass_call(kernel, output_shape_dtype=out,
+                            input_spec=[s4, s4, s4, s4, s3, s3, s4],
+                            output_spec=[s4, s4, s4],
+                            input_output_aliases={6: 0})(q, k, v, do, lse_log2, dpsum, dq_accum)
+    return f
+
+
+_EXPORTED = {}
+
+
+def exported_kernel(dtype, d, causal, scale, variant="default"):
+    """Export once with symbolic extents: one binary for every B, Sq, Sk, Hq, Hkv."""
+    cache_key = (dtype, d, causal, scale, variant)
+    if cache_key in _EXPORTED:
+        return _EXPORTED[cache_key]
+    b, sq, sk, hq, hkv, sqp = export.symbolic_shape("b, sq, sk, hq, hkv, sqp")
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, sq, hq, d), dtype), sds((b, sk, hkv, d), dtype),
+            sds((b, sk, hkv, d), dtype), sds((b, sq, hq, d), dtype),
+            sds((b, hq, sq), jnp.float32), sds((b, hq, sq), jnp.float32),
+            sds((b, hq, sqp, d), jnp.float32)]
+    t0 = time.time()
+    exp = export.export(jax.jit(kernel_call(dtype, d, causal, scale, variant)),
+                        platforms=["cuda"],
+                        disabled_checks=get_export_disabled_safety_checks())(*args)
+    log.info("exported %s d=%d causal=%s %s in %.1fs", dtype.__name__, d, causal, variant,
+             time.time() - t0)
+    _EXPORTED[cache_key] = exp.call
+    return exp.call
+
+
+def attention(q, k, v, scale, causal):
+    """Reference attention in the dtype of its inputs; returns (out, lse)."""
+    hq, hkv = q.shape[2], k.shape[2]
+    k = jnp.repeat(k, hq // hkv, axis=2)
+    v = jnp.repeat(v, hq // hkv, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, q.dtype)
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        mask = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None]
+        s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
+    lse = jax.nn.logsumexp(s.astype(jnp.float32), axis=-1)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def make_runner(kcall, scale, causal):
+    @jax.jit
+    def run(q, k, v, do):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+        (o32, lse32), vjp32 = jax.vjp(lambda a, b, c: attention(a, b, c, scale, causal),
+                                      *f32[:3])
+        ref = vjp32((f32[3], jnp.zeros_like(lse32)))
+        (_, _), vjp_lo = jax.vjp(lambda a, b, c: attention(a, b, c, scale, causal), q, k, v)
+        lo = vjp_lo((do, jnp.zeros(lse32.shape, jnp.float32)))
+        # jnp preprocess: what bwd_preprocess.py computes.
+        o = o32.astype(q.dtype)
+        dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+        lse_log2 = lse32 * LOG2_E
+        bsz, sq, hq, d = q.shape
+        dq_accum = jnp.zeros((bsz, hq, round_up(sq, 128), d), jnp.float32)
+        dq_accum, dk, dv = kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
+        # jnp postprocess: what bwd_postprocess.py computes.
+        dq = (scale * dq_accum[:, :, :sq]).transpose(0, 2, 1, 3).astype(q.dtype)
+        pad_max = jnp.max(jnp.abs(dq_accum[:, :, sq:])) if dq_accum.shape[2] > sq else 0.0
+        return (dq, dk, dv), ref, lo, pad_max
+    return run
+
+
+def check_case(run, dtype, b, sq, sk, hq, hkv, d, key):
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, sq, hq, d), jnp.float32).astype(dtype)
+    got, ref, lo, pad_max = jax.block_until_ready(run(q, k, v, do))
+    worst = 0.0
+    ok = True
+    details = []
+    for name, g, r, lw in zip(("dq", "dk", "dv"), got, ref, lo):
+        g = np.asarray(g.astype(jnp.float32))
+        r = np.asarray(r)
+        lw = np.asarray(lw.astype(jnp.float32))
+        finite = bool(np.isfinite(g).all())
+        err = float(np.max(np.abs(g - r))) if g.size else 0.0
+        err_lo = float(np.max(np.abs(lw - r))) if g.size else 0.0
+        atol = 1e-3 * max(1.0, float(np.max(np.abs(r))) if r.size else 1.0)
+        good = finite and err <= 2 * err_lo + atol
+        ok &= good
+        worst = max(worst, err / (2 * err_lo + atol))
+        details.append(f"{name} err={err:.2e} lowp={err_lo:.2e} {'ok' if good else 'FAIL'}")
+    pad_ok = float(pad_max) == 0.0
+    ok &= pad_ok
+    return ok, worst, "; ".join(details) + ("" if pad_ok else f"; dQaccum pad={pad_max}")
+
+
+def bench(fn, args, iters=20, samples=7):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / iters)
+    return float(np.median(ts))
+
+
+def time_one(kcall, causal, rows, variant):
+    b, s, h, d = 4, 4096, 16, 128
+    dtype = jnp.bfloat16
+    scale = 1.0 / math.sqrt(d)
+    ks = jax.random.split(jax.random.PRNGKey(7), 4)
+    q, k, v, do = [jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks]
+    lse_log2 = jax.random.normal(ks[0], (b, h, s), jnp.float32) + 10.0
+    dpsum = jax.random.normal(ks[1], (b, h, s), jnp.float32)
+    flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+
+    @jax.jit
+    def main_only(q, k, v, do, lse_log2, dpsum):
+        dq_accum = jnp.zeros((b, h, round_up(s, 128), d), jnp.float32)
+        return kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
+
+    @jax.jit
+    def full(q, k, v, do, o, lse):
+        dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+        dq_accum = jnp.zeros((b, h, round_up(s, 128), d), jnp.float32)
+        dq_accum, dk, dv = kcall(q, k, v, do, lse * LOG2_E, dpsum, dq_accum)
+        dq = (scale * dq_accum[:, :, :s]).transpose(0, 2, 1, 3).astype(q.dtype)
+        return dq, dk, dv
+
+    t_main = bench(main_only, (q, k, v, do, lse_log2, dpsum))
+    t_full = bench(full, (q, k, v, do, q, lse_log2))
+
+    def cudnn_fwd(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                            implementation="cudnn")
+    try:
+        _, vjp_fn = jax.vjp(cudnn_fwd, q, k, v)
+        t_cudnn = bench(jax.jit(lambda f, g: f(g)), (vjp_fn, do))
+    except Exception as e:  # cuDNN missing is a result to report, not a crash
+        log.warning("cuDNN backward unavailable: %s", e)
+        t_cudnn = float("nan")
+    rows.append((f"time {variant} d128 bf16 B4 S4096 H16 c{int(causal)}",
+                 f"main {t_main * 1e3:.3f} ms {flops / t_main / 1e12:.0f} TF/s | "
+                 f"main+jnp pre/post {flops / t_full / 1e12:.0f} TF/s | "
+                 f"cuDNN bwd {t_cudnn * 1e3:.3f} ms {flops / t_cudnn / 1e12:.0f} TF/s"))
+    log.info("%s", rows[-1])
+
+
+def timing(make_kcall, rows, variants):
+    d = 128
+    for variant in variants:
+        for causal in (False, True):
+            kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
+            time_one(kcall, causal, rows, variant)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape per config")
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--no-export", action="store_true",
+                    help="compile per shape through cutlass_call instead of one export")
+    ap.add_argument("--seqlens", default=None,
+                    help="comma-separated SqxSk pairs, e.g. 17x17,113x203")
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated: default (the tile table), overlap, plain")
+    ap.add_argument("--final", action="store_true",
+                    help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
+    ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")
+    ap.add_argument("--budget-s", type=float, default=400.0,
+                    help="stop starting new correctness cases after this many seconds")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        handlers=[logging.FileHandler(os.path.join(out_dir, "gpu_check_bwd.log")),
+                                  logging.StreamHandler(sys.stderr)])
+    log.info("devices: %s", jax.devices())
+    t_start = time.time()
+    make_kcall = kernel_call if args.no_export else exported_kernel
+    rows = []
+    seqlens = [(1, 1), (17, 17), (113, 203), (1000, 1000), (4097, 4097)]
+    if args.quick:
+        seqlens = [(113, 203)]
+    if args.seqlens:
+        seqlens = [tuple(int(x) for x in p.split("x")) for p in args.seqlens.split(",")]
+    heads = ((4, 1),) if args.gqa_only else ((4, 1), (2, 2))
+    all_seqlens = seqlens
+    plan = []  # (variant, dtype, d, causal, seqlens)
+    for variant in args.variants.split(","):
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for d in (128, 64):
+                for causal in (False, True):
+                    sl = all_seqlens
+                    if args.final and variant != args.variants.split(",")[0]:
+                        # Second variant: its own structure, on fewer shapes.
+                        if not (d == 128 and dtype == jnp.bfloat16) and not (
+                                d == 64 and dtype == jnp.float16 and causal):
+                            continue
+                        sl = [(113, 203), (1000, 1000)]
+                    elif args.final and not (d == 128 and dtype == jnp.bfloat16):
+                        sl = [x for x in all_seqlens if x != (4097, 4097)]
+                    plan.append((variant, dtype, d, causal, sl))
+    key = jax.random.PRNGKey(0)
+    all_ok = True
+    for variant, dtype, d, causal, sl in plan:
+        scale = 1.0 / math.sqrt(d)
+        tag = f"{variant} {dtype.__name__} d{d} c{int(causal)}"
+        try:
+            run = make_runner(make_kcall(dtype, d, causal, scale, variant), scale, causal)
+        except Exception as e:
+            log.exception("build failed")
+            rows.append((tag, f"BUILD FAIL {e}"))
+            all_ok = False
+            continue
+        for sq, sk in sl:
+            for hq, hkv in heads:
+                if time.time() - t_start > args.budget_s:
+                    continue
+                key, sub = jax.random.split(key)
+                name = f"{tag} {sq}x{sk} h{hq}/{hkv}"
+                try:
+                    ok, worst, det = check_case(run, dtype, 2, sq, sk, hq, hkv, d, sub)
+                except Exception as e:
+                    log.exception("case failed")
+                    ok, worst, det = False, float("nan"), f"ERROR {e}"
+                all_ok &= ok
+                log.info("%s %s worst=%.2f %s", name, "PASS" if ok else "FAIL", worst, det)
+                rows.append((name, f"{'PASS' if ok else 'FAIL'} {worst:.2f} "
+                             + ("" if ok else det)))
+    log.info("correctness %s in %.0fs", "ALL PASS" if all_ok else "FAILURES",
+             time.time() - t_start)
+    if not args.no_time:
+        try:
+            timing(make_kcall, rows, args.variants.split(","))
+        except Exception:
+            log.exception("timing failed")
+    print("\n==== sm90 bwd check (worst = err / (2*err_lowp + atol), must be <= 1) ====")
+    for name, res in rows:
+        print(f"{name:52s} {res}")
+    print("ALL PASS" if all_ok else "SOME FAILED")
+
+
+if __name__ == "__main__":
+    main()
