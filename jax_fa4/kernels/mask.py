@@ -1,0 +1,73 @@
+"""Causal and sequence-length masking of a score tile (sm90 accumulator fragments).
+
+Causal is top-left aligned: query i sees key j iff j <= i (docs/design.md).
+Masked scores become -inf so that the softmax gives them P = 0.
+
+The column of every accumulator element is ``thread offset + a compile-time
+column of thread 0`` (a wgmma accumulator gives each thread the same pattern,
+shifted). Comparing the compile-time column against a per-thread limit keeps
+the inner loop to one compare and one select per element.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, cute
+
+from jax_fa4.kernels.softmax import acc_mn_view
+
+
+class TileMask:
+    """Masks a (tile_m, tile_n) score tile of one thread.
+
+    tile_m, tile_n: the CTA tile (compile time).
+    seqlen_k: number of valid keys (runtime).
+    thr_mma: the QK tiled MMA sliced for this thread (its partition of C fixes
+    which rows and columns the thread holds).
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, seqlen_k: Int32, thr_mma, thr_mma_t0):
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.seqlen_k = seqlen_k
+        c_tile = cute.make_identity_tensor((tile_m, tile_n))
+        # (rows, cols) coordinates of this thread's and of thread 0's elements.
+        self.t_coord = acc_mn_view(thr_mma.partition_C(c_tile))
+        self.t0_coord = acc_mn_view(thr_mma_t0.partition_C(c_tile))
+
+    @cute.jit
+    def apply(
+        self,
+        acc_S: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+    ) -> None:
+        """Set masked entries of acc_S ((2, 2, V), MMA_M, MMA_N fp32) to -inf.
+
+        mask_seqlen: mask keys >= seqlen_k (only the last KV block needs it).
+        mask_causal: mask keys after the query (only diagonal blocks need it).
+        """
+        s_mn = acc_mn_view(acc_S)
+        n_rows = cute.size(s_mn, mode=[0])
+        n_cols = cute.size(s_mn, mode=[1])
+        col_offset = self.t_coord[0][1]
+        # Limits on thread 0's column index, shifted by this thread's offset.
+        seqlen_limit = self.seqlen_k - n_block * self.tile_n - col_offset
+        if cutlass.const_expr(mask_causal):
+            for r in cutlass.range_constexpr(n_rows):
+                row = self.t_coord[r, 0][0] + m_block * self.tile_m
+                # Key j is visible iff j <= row, i.e. local column < row + 1 - n0.
+                limit = row + 1 - n_block * self.tile_n - col_offset
+                if cutlass.const_expr(mask_seqlen):
+                    limit = cutlass.min(limit, seqlen_limit)
+                for c in cutlass.range_constexpr(n_cols):
+                    # A select, not a branch: keeps the fragment in registers.
+                    masked = self.t0_coord[0, c][1] >= limit
+                    s_mn[r, c] = -Float32.inf if masked else s_mn[r, c]
+        elif cutlass.const_expr(mask_seqlen):
+            for c in cutlass.range_constexpr(n_cols):
+                masked = self.t0_coord[0, c][1] >= seqlen_limit
+                for r in cutlass.range_constexpr(n_rows):
+                    s_mn[r, c] = -Float32.inf if masked else s_mn[r, c]

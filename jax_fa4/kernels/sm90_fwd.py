@@ -1,0 +1,869 @@
+"""Hopper (sm_90a) flash-attention forward: TMA + wgmma, warp specialized.
+
+One CTA computes one (tile_m x head_dim_v) tile of O for one (batch, q head):
+
+* warpgroup 0 is the producer: its first warp issues TMA loads of the Q tile
+  (once) and of K and V tiles through two multi-stage mbarrier pipelines; the
+  warpgroup drops to a few registers (setmaxnreg) so the consumers get more.
+* warpgroups 1 and 2 are consumers; each owns 64 rows of the Q tile. Per KV
+  block: S = Q K^T (wgmma, both operands in SMEM), mask, online softmax
+  (exp2, lazy rescale, see softmax.py), P converted to 16 bits in registers,
+  O += P V (wgmma with P as the register A operand, V^T read from SMEM).
+* Intra-warpgroup overlap (FA3): the next block's Q K^T is issued before the
+  current block's P V finishes, so the tensor cores run while the softmax
+  waits; the two consumer warpgroups also take turns issuing their GEMMs
+  (ping-pong through two named barriers) so that one's softmax overlaps the
+  other's GEMMs.
+* Epilogue: O / row_sum in 16 bits goes through SMEM (the Q buffer) and one
+  TMA store, which clips rows past seqlen_q; LSE is stored per row directly.
+
+The contract (docs/design.md): tensors arrive row-major as JAX holds them,
+with dynamic batch, sequence and head extents; the head dims are compile-time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from jax_fa4.kernels.mask import TileMask
+from jax_fa4.kernels.softmax import (
+    LOG2_E,
+    OnlineSoftmax,
+    acc_mn_view,
+    rescale_rows,
+    rescale_rows_if_needed,
+)
+
+logger = logging.getLogger(__name__)
+
+_THREADS_PER_WG = 128
+
+# Named barrier ids; 0 is __syncthreads.
+_BAR_EPILOGUE = 1
+_BAR_SCHED_WG1 = 2  # consumer warpgroup w waits on _BAR_SCHED_WG1 + w
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90FwdTiles:
+    """Tuning knobs of the sm90 forward; see ``fwd_tiles``."""
+
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    num_consumer_wg: int
+    consumer_regs: int
+    producer_regs: int
+    intra_wg_overlap: bool
+    pingpong: bool
+
+
+def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
+    """The tile table (one entry for now: 128 x 128, 2 consumer WGs, 2 stages).
+
+    Two consumer warpgroups of 64 rows each and 240 registers per consumer
+    thread (24 for the producer: 24*128 + 240*256 <= 64K registers).
+    KV stages: 2 (Q + 2 x (K + V) at hdim 128 is 160 KB of SMEM).
+    Measured on the H200 (2026-11-29, hdim 128 bf16, B=4 S=4096 H=16, TFLOP/s
+    non-causal / causal): this table 650 / 573; without intra-warpgroup overlap
+    580 / 512; tile_n 176 (FA3's non-causal choice) 627 / 550, where ptxas
+    serialises the wider wgmma (C7519), so it stays at 128 here.
+    hdim 64 (B=2 S=8192 H=32): 445 / 439 with this table (cuDNN 450 / 430).
+    192 x 128 with 3 consumer WGs (consumer_regs 160, producer_regs 32) passes
+    the GPU checks at hdim 64 but is not timed yet, so it is not the default.
+    """
+    del causal  # same tiles for causal and not, see the measurements above
+    if max(head_dim, head_dim_v) > 128:
+        raise ValueError(f"sm90 forward supports head dims up to 128, got {head_dim}")
+    return Sm90FwdTiles(
+        tile_m=128,
+        tile_n=128,
+        num_stages=2,
+        num_consumer_wg=2,
+        consumer_regs=240,
+        producer_regs=24,
+        intra_wg_overlap=True,
+        pingpong=True,
+    )
+
+
+def _as_cutlass_dtype(dtype: Any) -> type[cutlass.Numeric]:
+    """Accept cutlass types, numpy/jax dtypes or their names."""
+    if isinstance(dtype, type) and issubclass(dtype, cutlass.Numeric):
+        return dtype
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    table = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+    if name not in table:
+        raise ValueError(f"sm90 forward supports bfloat16 and float16, got {dtype!r}")
+    return table[name]
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Swizzled K-major SMEM layout for a (rows, cols[, stages]) wgmma operand tile."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    """Re-view a tensor with its modes reordered (no data movement)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _transpose_smem(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of an SMEM tensor (V (n, dv, s) -> V^T (dv, n, s))."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an S accumulator as the register A operand of the P V wgmma.
+
+    acc ((2, 2, V), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (V / 2, MMA_N)): a k16
+    slice of A is two adjacent 8-column groups of the accumulator, so V splits
+    into pairs.
+    """
+    div = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    shp, std = div.shape, div.stride
+    layout = cute.make_layout(
+        ((shp[0][0], shp[0][1], shp[0][2][0]), shp[1], (shp[0][2][1], shp[2])),
+        stride=((std[0][0], std[0][1], std[0][2][0]), std[1], (std[0][2][1], std[2])),
+    )
+    return cute.make_tensor(acc.iterator, layout)
+
+
+@cute.jit
+def _wgmma(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wg_wait: cutlass.Constexpr[int],
+) -> None:
+    """Issue acc (+)= A B over all k-blocks as one wgmma group.
+
+    wg_wait >= 0 waits until at most that many groups are in flight; -1 returns
+    at once (the caller waits later, to overlap).
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
+
+
+class FlashFwdSm90:
+    """Forward attention for sm_90a, one compiled binary per configuration.
+
+    dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
+    head_dim, head_dim_v: D and Dv (compile time; 64 and 128 tested, D == Dv).
+    causal: top-left causal mask.
+    softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
+    tiles: override the tile table (``fwd_tiles``) for experiments.
+    """
+
+    def __init__(
+        self,
+        dtype: Any,
+        head_dim: int,
+        head_dim_v: int | None = None,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        tiles: Sm90FwdTiles | None = None,
+    ):
+        self.dtype = _as_cutlass_dtype(dtype)
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if self.head_dim % 16 or self.head_dim_v % 16:
+            raise ValueError("head dims must be multiples of 16")
+        self.causal = causal
+        self.softmax_scale = (
+            1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        )
+        self.scale_log2 = self.softmax_scale * LOG2_E
+        self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
+        t = self.tiles
+        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
+        if self.tile_m != 64 * t.num_consumer_wg:
+            raise ValueError("tile_m must be 64 rows per consumer warpgroup")
+        self.num_threads = _THREADS_PER_WG * (1 + t.num_consumer_wg)
+        self.num_mma_threads = _THREADS_PER_WG * t.num_consumer_wg
+        self.pingpong = t.pingpong and t.num_consumer_wg >= 2
+        logger.debug(
+            "FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s",
+            self.dtype,
+            self.head_dim,
+            self.head_dim_v,
+            causal,
+            t,
+        )
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        stream: cuda.CUstream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
+    ):
+        for t in (mQ, mK, mV, mO):
+            if cutlass.const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if cutlass.const_expr(mLSE.element_type != Float32):
+            raise TypeError("LSE must be float32")
+        # FA4 order: (seqlen, head_dim, heads, batch); LSE (seqlen, heads, batch).
+        mQ, mK, mV, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _permute(mLSE, [2, 1, 0])
+
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        atom_layout = (self.tiles.num_consumer_wg, 1, 1)
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=atom_layout,
+            tiler_mn=(64, tn),
+        )
+        # B = V^T (dv, n) is MN-major in SMEM (V rows are dv-contiguous).
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=atom_layout,
+            tiler_mn=(64, dv),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        sQ_layout = _smem_layout(self.dtype, tm, d)
+        sK_layout = _smem_layout(self.dtype, tn, d, self.num_stages)
+        sV_layout = _smem_layout(self.dtype, tn, dv, self.num_stages)
+        sO_layout = _smem_layout(self.dtype, tm, dv)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (tm, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (tn, d), 1
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (tn, dv), 1
+        )
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (tm, dv)
+        )
+        self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        # O reuses the Q buffer: Q is dead once the last S = Q K^T finished.
+        q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        seqlen_q = mQ.shape[0]
+        grid = (cute.ceil_div(seqlen_q, tm), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_Q,
+            tma_K,
+            tma_V,
+            tma_O,
+            mLSE,
+            tma_atom_Q,
+            tma_atom_K,
+            tma_atom_V,
+            tma_atom_O,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA view of Q (Sq, D, Hq, B)
+        mK: cute.Tensor,  # TMA view of K (Sk, D, Hkv, B)
+        mV: cute.Tensor,  # TMA view of V (Sk, Dv, Hkv, B)
+        mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,  # (tile_m, D)
+        sK_layout: cute.ComposedLayout,  # (tile_n, D, stages)
+        sV_layout: cute.ComposedLayout,  # (tile_n, Dv, stages)
+        sO_layout: cute.ComposedLayout,  # (tile_m, Dv)
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one elected lane per consumer warp.
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
+        )
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=1,
+            producer_group=tma_thread,
+            consumer_group=consumer_warps,
+            tx_count=self.tx_bytes_q,
+            defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=tma_thread,
+            consumer_group=consumer_warps,
+            tx_count=self.tx_bytes_k,
+            defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=tma_thread,
+            consumer_group=consumer_warps,
+            tx_count=self.tx_bytes_v,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        # Block coordinates. Causal tiles lower in the matrix have more KV
+        # blocks: launch them first so the longest CTAs do not start last.
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        if cutlass.const_expr(self.causal):
+            n_block_max = cutlass.min(
+                n_block_max, cute.ceil_div((m_block + 1) * self.tile_m, self.tile_n)
+            )
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.tiles.producer_regs)
+            if warp_idx == 0:
+                self.load(
+                    mQ,
+                    mK,
+                    mV,
+                    sQ,
+                    sK,
+                    sV,
+                    tma_atom_Q,
+                    tma_atom_K,
+                    tma_atom_V,
+                    pipe_q,
+                    pipe_k,
+                    pipe_v,
+                    m_block,
+                    head,
+                    head_kv,
+                    batch,
+                    n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
+            self.consume(
+                mO,
+                mLSE,
+                sQ,
+                sK,
+                sV,
+                sO,
+                tma_atom_O,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                pipe_q,
+                pipe_k,
+                pipe_v,
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                n_block_max,
+            )
+
+    @cute.jit
+    def load(
+        self,
+        mQ: cute.Tensor,  # (Sq, D, Hq, B)
+        mK: cute.Tensor,  # (Sk, D, Hkv, B)
+        mV: cute.Tensor,  # (Sk, Dv, Hkv, B)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, stages)
+        sV: cute.Tensor,  # (tile_n, Dv, stages)
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_k: pipeline.PipelineTmaAsync,
+        pipe_v: pipeline.PipelineTmaAsync,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        n_block_max: Int32,
+    ):
+        """Producer warp: Q once, then K/V blocks from the last one down to 0.
+
+        K of block n is loaded before V of block n + 1, the order the consumers
+        use them in with intra-warpgroup overlap (S_n = Q K_n is issued before
+        O += P_(n+1) V_(n+1)). TMA zero-fills rows past the sequence ends.
+        """
+        gQ = cute.local_tile(
+            mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
+        )
+        gK = cute.local_tile(
+            mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
+        )
+        gV = cute.local_tile(
+            mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
+        )
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        n_last = n_block_max - 1
+
+        pipe_k.producer_acquire(state)
+        cute.copy(
+            tma_atom_K,
+            tKgK[None, n_last],
+            tKsK[None, state.index],
+            tma_bar_ptr=pipe_k.producer_get_barrier(state),
+        )
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        for i in cutlass.range(n_last, unroll=1):
+            n_prev = n_last - i
+            state_prev = state.clone()
+            state.advance()
+            pipe_k.producer_acquire(state)
+            cute.copy(
+                tma_atom_K,
+                tKgK[None, n_prev - 1],
+                tKsK[None, state.index],
+                tma_bar_ptr=pipe_k.producer_get_barrier(state),
+            )
+            pipe_v.producer_acquire(state_prev)
+            cute.copy(
+                tma_atom_V,
+                tVgV[None, n_prev],
+                tVsV[None, state_prev.index],
+                tma_bar_ptr=pipe_v.producer_get_barrier(state_prev),
+            )
+        pipe_v.producer_acquire(state)
+        cute.copy(
+            tma_atom_V,
+            tVgV[None, 0],
+            tVsV[None, state.index],
+            tma_bar_ptr=pipe_v.producer_get_barrier(state),
+        )
+
+    # -------------------------------------------------------------- consumer
+    def _sched_sync(self):
+        """Wait for this warpgroup's turn to issue GEMMs (ping-pong)."""
+        if cutlass.const_expr(self.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // _THREADS_PER_WG)
+            cute.arch.barrier(
+                barrier_id=_BAR_SCHED_WG1 - 1 + wg, number_of_threads=2 * _THREADS_PER_WG
+            )
+
+    def _sched_arrive(self):
+        """Hand the GEMM turn to the next consumer warpgroup (round robin)."""
+        if cutlass.const_expr(self.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // _THREADS_PER_WG)
+            # Consumer warpgroups are 1 .. num_consumer_wg.
+            nxt = wg % self.tiles.num_consumer_wg + 1
+            cute.arch.barrier_arrive(
+                barrier_id=_BAR_SCHED_WG1 - 1 + nxt, number_of_threads=2 * _THREADS_PER_WG
+            )
+
+    @cute.jit
+    def consume(
+        self,
+        mO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (Sq, Hq, B)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, stages)
+        sV: cute.Tensor,  # (tile_n, Dv, stages)
+        sO: cute.Tensor,  # (tile_m, Dv), aliases sQ
+        tma_atom_O: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_k: pipeline.PipelineTmaAsync,
+        pipe_v: pipeline.PipelineTmaAsync,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        n_block_max: Int32,
+    ):
+        tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
+        wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
+        wg_layout = cute.make_layout(self.tiles.num_consumer_wg, stride=_THREADS_PER_WG)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
+
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        sVt = _transpose_smem(sV)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = cute.make_rmem_tensor(
+            wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
+        )
+        acc_O.fill(0.0)
+
+        softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]))
+        softmax.reset()
+        mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0))
+
+        # Warpgroup 1 takes the first GEMM turn. (A compile-time and a run-time
+        # test cannot share one `if` in the DSL.)
+        if cutlass.const_expr(self.pingpong):  # noqa: SIM102
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+                )
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+
+        # Blocks [n_causal, n_block_max) touch the diagonal; the first block
+        # processed (the last one) also carries the seqlen_k tail.
+        n_last = n_block_max - 1
+        n_causal = n_last
+        if cutlass.const_expr(self.causal):
+            n_causal = cutlass.min((m_block * self.tile_m) // self.tile_n, n_last)
+
+        def qk(stage, wg_wait):
+            acc_S = cute.make_rmem_tensor(shape_S, Float32)
+            _wgmma(
+                tiled_mma_qk,
+                acc_S,
+                tSrQ,
+                tSrK[None, None, None, stage],
+                zero_init=True,
+                wg_wait=wg_wait,
+            )
+            return acc_S
+
+        def pv(stage, wg_wait):
+            _wgmma(
+                tiled_mma_pv,
+                acc_O,
+                tOrP,
+                tOrVt[None, None, None, stage],
+                zero_init=False,
+                wg_wait=wg_wait,
+            )
+
+        def to_p(acc_S):
+            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+
+        if cutlass.const_expr(self.tiles.intra_wg_overlap):
+            # First block: S, softmax, P; its P V is issued with the next S.
+            pipe_k.consumer_wait(state)
+            self._sched_sync()
+            acc_S = qk(state.index, wg_wait=-1)
+            self._sched_arrive()
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            mask.apply(acc_S, m_block, n_last, mask_seqlen=True, mask_causal=self.causal)
+            softmax.online_softmax(acc_S, is_first=True)
+            to_p(acc_S)
+            for i in cutlass.range(n_last - n_causal, unroll=1):
+                state = self._overlapped_step(
+                    state,
+                    n_last - 1 - i,
+                    m_block,
+                    qk,
+                    pv,
+                    to_p,
+                    softmax,
+                    mask,
+                    acc_O,
+                    pipe_k,
+                    pipe_v,
+                    mask_causal=True,
+                )
+            for i in cutlass.range(n_causal, unroll=1):
+                state = self._overlapped_step(
+                    state,
+                    n_causal - 1 - i,
+                    m_block,
+                    qk,
+                    pv,
+                    to_p,
+                    softmax,
+                    mask,
+                    acc_O,
+                    pipe_k,
+                    pipe_v,
+                    mask_causal=False,
+                )
+            # Last P V.
+            pipe_v.consumer_wait(state)
+            self._sched_sync()
+            pv(state.index, wg_wait=-1)
+            self._sched_arrive()
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+            state.advance()
+        else:
+            state = self._serial_step(
+                state,
+                n_last,
+                m_block,
+                qk,
+                pv,
+                to_p,
+                softmax,
+                mask,
+                acc_O,
+                pipe_k,
+                pipe_v,
+                mask_seqlen=True,
+                mask_causal=self.causal,
+                is_first=True,
+            )
+            for i in cutlass.range(n_last - n_causal, unroll=1):
+                state = self._serial_step(
+                    state,
+                    n_last - 1 - i,
+                    m_block,
+                    qk,
+                    pv,
+                    to_p,
+                    softmax,
+                    mask,
+                    acc_O,
+                    pipe_k,
+                    pipe_v,
+                    mask_seqlen=False,
+                    mask_causal=True,
+                )
+            for i in cutlass.range(n_causal, unroll=1):
+                state = self._serial_step(
+                    state,
+                    n_causal - 1 - i,
+                    m_block,
+                    qk,
+                    pv,
+                    to_p,
+                    softmax,
+                    mask,
+                    acc_O,
+                    pipe_k,
+                    pipe_v,
+                    mask_seqlen=False,
+                    mask_causal=False,
+                )
+
+        inv_sum, lse = softmax.finalize()
+        rescale_rows(acc_O, inv_sum)
+        self.epilogue(
+            acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q
+        )
+
+    @cute.jit
+    def _overlapped_step(
+        self,
+        state,
+        n_block,
+        m_block,
+        qk,
+        pv,
+        to_p,
+        softmax,
+        mask,
+        acc_O,
+        pipe_k,
+        pipe_v,
+        mask_causal: cutlass.Constexpr[bool],
+    ):
+        """S_n = Q K_n issued together with O += P_(n+1) V_(n+1); softmax of S_n
+        runs while the P V wgmma is still in flight."""
+        state_v = state.clone()
+        state.advance()
+        pipe_k.consumer_wait(state)
+        self._sched_sync()
+        acc_S = qk(state.index, wg_wait=-1)
+        pipe_v.consumer_wait(state_v)
+        pv(state_v.index, wg_wait=-1)
+        self._sched_arrive()
+        warpgroup.wait_group(1)  # S ready; P V may still run
+        pipe_k.consumer_release(state)
+        if cutlass.const_expr(mask_causal):
+            mask.apply(acc_S, m_block, n_block, mask_seqlen=False, mask_causal=True)
+        row_scale = softmax.online_softmax(acc_S, is_first=False)
+        warpgroup.wait_group(0)  # P V done: tOrP and acc_O are free
+        pipe_v.consumer_release(state_v)
+        to_p(acc_S)
+        rescale_rows_if_needed(acc_O, row_scale)
+        return state
+
+    @cute.jit
+    def _serial_step(
+        self,
+        state,
+        n_block,
+        m_block,
+        qk,
+        pv,
+        to_p,
+        softmax,
+        mask,
+        acc_O,
+        pipe_k,
+        pipe_v,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+        is_first: cutlass.Constexpr[bool] = False,
+    ):
+        """One KV block without intra-warpgroup overlap: S, softmax, then P V."""
+        pipe_k.consumer_wait(state)
+        self._sched_sync()
+        acc_S = qk(state.index, wg_wait=-1)
+        self._sched_arrive()
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        if cutlass.const_expr(mask_seqlen or mask_causal):
+            mask.apply(acc_S, m_block, n_block, mask_seqlen=mask_seqlen, mask_causal=mask_causal)
+        row_scale = softmax.online_softmax(acc_S, is_first=is_first)
+        to_p(acc_S)
+        if cutlass.const_expr(not is_first):
+            rescale_rows_if_needed(acc_O, row_scale)
+        pipe_v.consumer_wait(state)
+        self._sched_sync()
+        pv(state.index, wg_wait=-1)
+        self._sched_arrive()
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,  # this thread's O fragment, fp32, already / row_sum
+        lse: cute.Tensor,  # (rows of this thread,) f32
+        mO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (Sq, Hq, B)
+        sO: cute.Tensor,  # (tile_m, Dv)
+        tma_atom_O: cute.CopyAtom,
+        tiled_mma_pv: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+    ):
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # sO aliases sQ: every consumer warpgroup must be done with its S = Q K^T.
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+
+        # LSE: one of the 4 threads of each row writes it, rows < seqlen_q only.
+        thr_mma = tiled_mma_pv.get_slice(tidx)
+        c_o = acc_mn_view(
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        )
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = m_block * self.tile_m + c_o[r, 0][0]
+            if c_o[0][1] == 0 and row < seqlen_q:
+                mLSE[row, head, batch] = lse[r]
+
+        # Make the st.matrix writes visible to the TMA engine, then one thread stores.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            gO = cute.local_tile(
+                mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0)
+            )
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

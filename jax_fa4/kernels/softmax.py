@@ -1,0 +1,177 @@
+"""Online softmax for the forward kernels: exp2 domain, FA4's lazy rescale.
+
+Device-side helpers shared by the forward kernels. Every function here runs
+inside a ``@cute.kernel`` trace; tensors are per-thread register fragments of a
+wgmma accumulator.
+
+Note [Lazy rescale]
+~~~~~~~~~~~~~~~~~~~
+Classic online softmax keeps the running row max ``m`` and, whenever a new KV
+block raises it, multiplies O and the row sum by ``2^((m_old - m_new) * c)``
+(``c = softmax_scale * log2(e)``). FA4 keeps the *stale* max instead, unless
+the new block's max exceeds it by more than ``RESCALE_THRESHOLD = 8.0`` in log2
+units (a factor 256). This is exact, not an approximation:
+
+* O and the row sum are both accumulated against the same reference max (the
+  stale one). The final ``O / row_sum`` divides out any common reference, so it
+  does not matter which max was used, only that both used the same one.
+* The LSE is ``(m_ref * c + log2(row_sum)) * ln 2`` with that same ``m_ref``, so
+  it is exact as well.
+* While the max is stale, ``P = 2^(s*c - m_ref*c) <= 2^8 = 256``. That is far
+  below the fp16 limit (65504) and bf16's range, so P converts to 16 bits
+  without overflow, and the fp32 accumulators of O and the row sum gain at
+  most 8 bits of magnitude over a fresh-max run, far from overflow.
+
+On Hopper O lives in registers, so a skipped rescale saves the FMULs over the
+O accumulator (64 per thread per KV block at head dim 128) and, more
+importantly, the scale's exp2 and its dependency chain rarely matter: after
+the first few KV blocks the running max of real data almost never grows by a
+factor of 256.
+
+A fully masked row keeps ``m = -inf``; the exponent then uses 0 as the
+reference so that ``exp2(-inf - 0) = 0`` instead of ``exp2(-inf + inf) = NaN``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+from cutlass import Float32, cute
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# See Note [Lazy rescale]: the max may lag by this many log2 units (P <= 2^8).
+RESCALE_THRESHOLD = 8.0
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 wgmma accumulator fragment as (rows, cols) of this thread.
+
+    acc: ((2, 2, V), MMA_M, MMA_N) fp32 fragment, where the first 2 are two
+    adjacent columns, the second 2 are rows r and r + 8, and V counts column
+    groups of 8. Returns a view ((2, MMA_M), (2, V, MMA_N)) of the same registers,
+    so that ``view[r, None]`` is one row held by this thread.
+    """
+    flat = cute.make_layout(acc.layout.shape)
+    shp, std = flat.shape, flat.stride
+    row_shape = (shp[0][1], shp[1])
+    row_stride = (std[0][1], std[1])
+    col_shape = (shp[0][0], *shp[0][2:], shp[2])
+    col_stride = (std[0][0], *std[0][2:], std[2])
+    mn = cute.make_layout((row_shape, col_shape), stride=(row_stride, col_stride))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+class OnlineSoftmax:
+    """Running row max and row sum of one thread's rows, exp2 domain.
+
+    scale_log2: softmax_scale * log2(e), a compile-time float.
+    num_rows: rows of the accumulator this thread holds (2 per 64-row wgmma tile).
+    The row sum is kept per thread (partial over this thread's columns) and
+    reduced across the 4 threads of a row only in ``finalize``; that is valid
+    because all 4 threads apply the same per-row scale (the max is reduced
+    across them every block).
+    """
+
+    def __init__(
+        self, scale_log2: float, num_rows: int, rescale_threshold: float = RESCALE_THRESHOLD
+    ):
+        self.scale_log2 = scale_log2
+        self.num_rows = num_rows
+        self.rescale_threshold = rescale_threshold
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    def reset(self) -> None:
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def online_softmax(
+        self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False
+    ) -> cute.Tensor:
+        """Turn the scores acc_S into P in place; return the per-row O scale.
+
+        acc_S: ((2, 2, V), MMA_M, MMA_N) fp32 raw scores q.k (unscaled), masked
+        entries at -inf. On return it holds P = 2^(s*c - m_ref*c) and the row
+        sums are updated; the returned (num_rows,) tensor is the factor O must be
+        multiplied by (exactly 1.0 for rows whose reference max did not move).
+        """
+        s_mn = acc_mn_view(acc_S)
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        c = self.scale_log2
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = s_mn[r, None].load()
+            blk_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            # The 4 threads of a quad hold the 4 column slices of the row.
+            blk_max = cute.arch.warp_reduction_max(blk_max, threads_in_group=4)
+            if cutlass.const_expr(is_first):
+                ref = blk_max
+                row_scale[r] = Float32(1.0)
+            else:
+                old = self.row_max[r]
+                cand = cute.arch.fmax(old, blk_max)
+                # NaN (both -inf) compares false and takes cand, which is -inf too.
+                keep = (cand - old) * c <= self.rescale_threshold
+                ref = old if keep else cand
+                cand_safe = Float32(0.0) if cand == -Float32.inf else cand
+                # Only used when the max moves; exp2(-inf) = 0 when old is -inf.
+                scale = cute.math.exp2((old - cand_safe) * c, fastmath=True)
+                row_scale[r] = Float32(1.0) if keep else scale
+            self.row_max[r] = ref
+            ref_safe = Float32(0.0) if ref == -Float32.inf else ref
+            neg_ref_scaled = -ref_safe * c
+            p = cute.math.exp2(row * c + neg_ref_scaled, fastmath=True)
+            blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(is_first):
+                self.row_sum[r] = blk_sum
+            else:
+                self.row_sum[r] = self.row_sum[r] * row_scale[r] + blk_sum
+            s_mn[r, None].store(p)
+        return row_scale
+
+    @cute.jit
+    def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
+        """Return (1 / row_sum, lse) per row; lse is natural-log, scaled logits.
+
+        A row with no unmasked key (sum 0) gets scale 0 and lse -inf, so its O is
+        0 instead of NaN.
+        """
+        inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
+        lse = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
+            inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            m = self.row_max[r]
+            m_safe = Float32(0.0) if m == -Float32.inf else m
+            log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
+            lse[r] = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
+        return inv_sum, lse
+
+
+@cute.jit
+def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor) -> None:
+    """Multiply each row of an accumulator fragment by row_scale[row].
+
+    acc: ((2, 2, V), MMA_M, MMA_N) fp32; row_scale: (rows of this thread,).
+    """
+    acc_mn = acc_mn_view(acc)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def rescale_rows_if_needed(acc: cute.Tensor, row_scale: cute.Tensor) -> None:
+    """``rescale_rows``, skipped when every scale is exactly 1 (lazy rescale).
+
+    The test is per thread; the 4 threads of a row always agree, and a warp
+    whose threads disagree just runs the multiply on some lanes.
+    """
+    needed = row_scale[0] != 1.0
+    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+        needed = needed or row_scale[r] != 1.0
+    if needed:
+        rescale_rows(acc, row_scale)

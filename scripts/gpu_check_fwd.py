@@ -1,0 +1,297 @@
+"""Check and time the sm90 forward kernel on a Hopper GPU.
+
+Builds FlashFwdSm90 through cutlass.jax.cutlass_call (explicit TensorSpecs with
+divisibility 1 on batch, sequence and heads), runs it under jax.jit, and checks
+out and LSE against an f32 reference on upcast inputs: the kernel's max error
+must be at most 2x the error of the same math done in the input precision,
+plus a small atol. Output buffers are prefilled with NaN (aliased inputs), so
+an unwritten element fails. Then times hdim 128 bf16 B=4 S=4096 H=16 (causal
+and not) against cuDNN via jax.nn.dot_product_attention.
+
+Usage: python scripts/gpu_check_fwd.py [--quick] [--no-time] [--no-check] [--serial] [--wide]
+       [--hdim64]
+Writes a log to $OUT/fwd_check.log when OUT is set, else ./fwd_check.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import jax
+import jax.numpy as jnp
+from cutlass.jax import TensorSpec, cutlass_call
+
+from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles
+
+log = logging.getLogger("gpu_check_fwd")
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+ATOL_OUT = 2e-3
+ATOL_LSE = 2e-3
+
+# (B, Sq, Sk, Hq, Hkv): the odd shapes the rules ask for.
+SHAPES_FULL = [
+    (2, 1, 1, 4, 4),
+    (2, 17, 17, 8, 2),
+    (2, 113, 203, 4, 4),
+    (2, 203, 113, 8, 2),
+    (2, 1000, 1000, 8, 2),
+    (1, 4097, 4097, 4, 1),
+]
+SHAPES_SHORT = [(2, 17, 17, 8, 2), (2, 113, 203, 4, 4), (2, 1000, 1000, 8, 2)]
+
+
+def fwd_call(dtype, d: int, causal: bool, shape, poison: bool, tiles=None):
+    """A jitted f(q, k, v[, o0, lse0]) -> (o, lse) through cutlass_call."""
+    b, sq, _, hq, _ = shape
+    kernel = FlashFwdSm90(dtype, d, d, causal, tiles=tiles)
+    spec = TensorSpec(divisibility=(1, 1, 1, d))
+    lse_spec = TensorSpec(divisibility=(1, 1, 1))
+    out_sd = (
+        jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
+        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+    )
+    if poison:
+        call = cutlass_call(
+            kernel,
+            output_shape_dtype=out_sd,
+            input_spec=[spec, spec, spec, spec, lse_spec],
+            output_spec=[spec, lse_spec],
+            input_output_aliases={3: 0, 4: 1},
+        )
+    else:
+        call = cutlass_call(
+            kernel,
+            output_shape_dtype=out_sd,
+            input_spec=[spec, spec, spec],
+            output_spec=[spec, lse_spec],
+        )
+    return jax.jit(call)
+
+
+def reference(q, k, v, causal: bool, scale: float, dtype):
+    """Attention in `dtype` arithmetic (f32 for the reference): (out, lse)."""
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, g, axis=2)
+    v = jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(dtype) * jnp.asarray(scale, dtype)
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        keep = jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
+        s = jnp.where(keep, s, jnp.asarray(-jnp.inf, dtype))
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None]).astype(dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(dtype)
+    return o, lse
+
+
+def check_one(dname, d, causal, shape, key, tiles=None):
+    dtype = DTYPES[dname]
+    b, sq, sk, hq, hkv = shape
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, sq, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, sk, hkv, d), jnp.float32).astype(dtype)
+    o0 = jnp.full((b, sq, hq, d), jnp.nan, dtype)
+    lse0 = jnp.full((b, hq, sq), jnp.nan, jnp.float32)
+    t0 = time.perf_counter()
+    f = fwd_call(dtype, d, causal, shape, poison=True, tiles=tiles)
+    o, lse = jax.block_until_ready(f(q, k, v, o0, lse0))
+    elapsed = time.perf_counter() - t0
+    scale = 1.0 / math.sqrt(d)
+    with jax.default_matmul_precision("highest"):
+        o_ref, lse_ref = reference(q, k, v, causal, scale, jnp.float32)
+        o_low, lse_low = reference(q, k, v, causal, scale, dtype)
+    o32 = o.astype(jnp.float32)
+    finite = bool(jnp.all(jnp.isfinite(o32))) and bool(jnp.all(jnp.isfinite(lse)))
+    err_o = float(jnp.max(jnp.abs(o32 - o_ref)))
+    err_o_low = float(jnp.max(jnp.abs(o_low.astype(jnp.float32) - o_ref)))
+    err_l = float(jnp.max(jnp.abs(lse - lse_ref)))
+    err_l_low = float(jnp.max(jnp.abs(lse_low.astype(jnp.float32) - lse_ref)))
+    ok = finite and err_o <= 2 * err_o_low + ATOL_OUT and err_l <= 2 * err_l_low + ATOL_LSE
+    return ok, finite, err_o, err_o_low, err_l, err_l_low, elapsed
+
+
+def bench(fn, args, reps: int = 5, inner: int = 20) -> float:
+    """Median seconds per call: `inner` async calls per rep, synchronized once."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(inner)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def time_one(causal: bool, key, tiles=None, with_cudnn=True, b=4, s=4096, h=16, d=128):
+    dtype = jnp.bfloat16
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, s, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, s, h, d), jnp.float32).astype(dtype)
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    f = fwd_call(dtype, d, causal, (b, s, s, h, h), poison=False, tiles=tiles)
+    t_fa = bench(f, (q, k, v))
+    cudnn = jax.jit(
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
+    )
+    try:
+        if not with_cudnn:
+            raise RuntimeError("skipped")
+        t_cu = bench(cudnn, (q, k, v))
+    except Exception as e:  # noqa: BLE001 (cuDNN may be missing: report, keep timing)
+        if with_cudnn:
+            log.warning("cuDNN failed: %s", e)
+        t_cu = float("nan")
+    # Same inputs: the two agree (cuDNN as a second opinion on big shapes).
+    o_fa, _ = f(q, k, v)
+    diff = (
+        float("nan")
+        if math.isnan(t_cu)
+        else float(jnp.max(jnp.abs(o_fa.astype(jnp.float32) - cudnn(q, k, v).astype(jnp.float32))))
+    )
+    return t_fa, flops / t_fa / 1e12, t_cu, flops / t_cu / 1e12, diff
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="short shape list everywhere")
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument(
+        "--serial",
+        action="store_true",
+        help="also check and time the variant without intra-warpgroup overlap",
+    )
+    ap.add_argument("--wide", action="store_true", help="also time tile_n = 176")
+    ap.add_argument("--no-check", action="store_true", help="timing only")
+    ap.add_argument(
+        "--wg3",
+        action="store_true",
+        help="check (hdim 64 only) and time 192 x 128 tiles with 3 consumer WGs",
+    )
+    ap.add_argument(
+        "--hdim64", action="store_true", help="time hdim 64 (B=2 S=8192 H=32) instead of hdim 128"
+    )
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", ".")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(message)s",
+        handlers=[
+            logging.StreamHandler(sys.stdout),
+            logging.FileHandler(os.path.join(out_dir, "fwd_check.log"), mode="w"),
+        ],
+    )
+    log.info("jax %s, devices %s", jax.__version__, jax.devices())
+    key = jax.random.PRNGKey(0)
+    rows = []
+    configs = [(dn, d, c) for d in (128, 64) for dn in ("bf16", "fp16") for c in (False, True)]
+    variants = [("overlap", None)]
+    if args.serial:
+        t = fwd_tiles(128, 128, False)
+        variants.append(("serial", dataclasses.replace(t, intra_wg_overlap=False)))
+    t64 = fwd_tiles(64, 64, False)
+    wg3 = dataclasses.replace(
+        t64, tile_m=192, num_consumer_wg=3, consumer_regs=160, producer_regs=32
+    )
+    if args.wg3:
+        variants = [("wg3", wg3)]
+    n_fail = 0
+    for vname, tiles in variants if not args.no_check else []:
+        for dn, d, causal in configs:
+            if vname == "serial" and (dn, d) != ("bf16", 128):
+                continue  # the fallback variant: one config is enough
+            if vname == "wg3" and d != 64:
+                continue
+            full = not args.quick and dn == "bf16" and d == 128 and vname == "overlap"
+            shapes = SHAPES_FULL if full else SHAPES_SHORT
+            if vname == "wg3" and dn == "fp16":
+                shapes = shapes[-1:]  # keep the device run short: bf16 covers the shapes
+            for shape in shapes:
+                key, sub = jax.random.split(key)
+                tag = f"{vname} {dn} d{d} causal={int(causal)} {shape}"
+                try:
+                    ok, fin, eo, eol, el, ell, dt = check_one(dn, d, causal, shape, sub, tiles)
+                except Exception:  # noqa: BLE001 (report and go on to the next check)
+                    log.error("%s EXCEPTION\n%s", tag, traceback.format_exc())
+                    n_fail += 1
+                    rows.append((tag, "EXC"))
+                    continue
+                n_fail += not ok
+                status = "ok" if ok else ("FAIL" if fin else "FAIL(nonfinite)")
+                line = (
+                    f"{tag:52s} {status:16s} out {eo:.2e} (low {eol:.2e}) "
+                    f"lse {el:.2e} (low {ell:.2e}) {dt:.1f}s"
+                )
+                log.info(line)
+                rows.append((tag, status))
+    perf = []
+    if not args.no_time:
+        d_t = 64 if args.hdim64 else 128
+        size = dict(b=2, s=8192, h=32, d=64) if args.hdim64 else dict(b=4, s=4096, h=16, d=128)
+        base = fwd_tiles(d_t, d_t, False)
+        timed = [("default", None, True)]
+        if args.serial:
+            timed.append(("serial", dataclasses.replace(base, intra_wg_overlap=False), False))
+        if args.wg3:
+            timed.append(("wg3", wg3, False))
+        if args.wide:
+            timed.append(("n176", dataclasses.replace(base, tile_n=176), False))
+        for vname, tiles, with_cudnn in timed:
+            for causal in (False, True):
+                key, sub = jax.random.split(key)
+                try:
+                    res = time_one(causal, sub, tiles, with_cudnn, **size)
+                    perf.append((vname, causal, *res))
+                    # Logged at once too: a run cut short still shows what it timed.
+                    log.info(
+                        "timed %s causal=%s: %.3f ms %.1f TFLOP/s (cuDNN %.3f ms %.1f)",
+                        vname,
+                        causal,
+                        res[0] * 1e3,
+                        res[1],
+                        res[2] * 1e3,
+                        res[3],
+                    )
+                except Exception:  # noqa: BLE001 (report and go on to the next check)
+                    log.error(
+                        "timing %s causal=%s EXCEPTION\n%s", vname, causal, traceback.format_exc()
+                    )
+    log.info("")
+    log.info("correctness: %d checks, %d failed", len(rows), n_fail)
+    if perf:
+        log.info(
+            "bf16 %-24s | ours ms  TFLOP/s | cuDNN ms  TFLOP/s | max|diff|",
+            "d{d} B={b} S={s} H={h}".format(**size),
+        )
+        for vname, causal, t_fa, tf_fa, t_cu, tf_cu, diff in perf:
+            log.info(
+                "%-8s causal=%-5s          | %7.3f %7.1f | %8.3f %7.1f | %.2e",
+                vname,
+                causal,
+                t_fa * 1e3,
+                tf_fa,
+                t_cu * 1e3,
+                tf_cu,
+                diff,
+            )
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
