@@ -57,7 +57,9 @@ def time_jax(fn, args, iters: int, reps: int = 5) -> float:
 
 
 def jax_impls(peers):
-    impls = {"jax_fa4": lambda q, k, v, c: jax_fa4.attention(q, k, v, causal=c, implementation="cute")}
+    impls = {
+        "jax_fa4": lambda q, k, v, c: jax_fa4.attention(q, k, v, causal=c, implementation="cute")
+    }
     if "cudnn" in peers:
         impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
             q, k, v, is_causal=c, implementation="cudnn")
@@ -87,20 +89,20 @@ def bench_fa4_torch(q, k, v, causal, iters):
     from flash_attn.cute.interface import flash_attn_func
     from triton.testing import do_bench
 
-    tq, tk, tv = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().bfloat16()
+    tq, tk, tv = (torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16()
                   .requires_grad_(True) for x in (q, k, v))
-    fwd = lambda: flash_attn_func(tq, tk, tv, causal=causal)  # noqa: E731
-    out = fwd()
-    dout = torch.randn_like(out)
+
+    def fwd():
+        out = flash_attn_func(tq, tk, tv, causal=causal)
+        return out[0] if isinstance(out, tuple) else out  # some versions also return the LSE
+
+    dout = torch.randn_like(fwd())
 
     def fb():
-        o = flash_attn_func(tq, tk, tv, causal=causal)
-        torch.autograd.grad(o, (tq, tk, tv), dout)
+        torch.autograd.grad(fwd(), (tq, tk, tv), dout)
 
     t_fwd = do_bench(fwd, warmup=100, rep=500, return_mode="median") / 1e3
     t_fb = do_bench(fb, warmup=100, rep=500, return_mode="median") / 1e3
-    del tq, tk, tv
-    torch.cuda.empty_cache()
     return t_fwd, max(t_fb - t_fwd, 1e-9)
 
 

@@ -178,7 +178,7 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
         d, dv = self.head_dim, self.head_dim_v
-        K, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wg_n_sdp = self.num_mma_wg // self.wg_m_sdp
         mma_sdp = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, (self.wg_m_sdp, wg_n_sdp, 1),
@@ -319,7 +319,7 @@ class FlashBwdSm90:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)

@@ -241,8 +241,8 @@ class FlashFwdSm90:
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
             Float32,
             atom_layout_mnk=atom_layout,
             tiler_mn=(64, tn),
@@ -251,8 +251,8 @@ class FlashFwdSm90:
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
             Float32,
             atom_layout_mnk=atom_layout,
             tiler_mn=(64, dv),
@@ -338,7 +338,7 @@ class FlashFwdSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
