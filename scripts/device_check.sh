@@ -11,7 +11,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 python -c "import jax, cutlass; print('jax', jax.__version__, 'cutlass-dsl', cutlass.__version__ if hasattr(cutlass,'__version__') else '?', jax.devices())"
 summary=""
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -m gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  timeout "${TEST_TIMEOUT:-900}" python -m pytest -m gpu -q -ra -p no:cacheprovider "$@" 2>&1 \
+    | tee "$out/gpu_tests.log" | tail -25
   summary+="gpu tests: $(tail -1 "$out/gpu_tests.log")"$'\n'
 fi
 if [[ $what == all ]]; then
@@ -20,6 +21,7 @@ if [[ $what == all ]]; then
 fi
 if [[ $what == bench || $what == quick || $what == all ]]; then
   flag=""; [[ $what != bench ]] && flag="--quick"
-  python benchmarks/bench_attention.py $flag --out "$out" 2>&1 | tee "$out/bench.log" | tail -40
+  python benchmarks/bench_attention.py $flag --peers "${PEERS:-fa4,cudnn,xla}" --out "$out" 2>&1 \
+    | tee "$out/bench.log" | tail -40
 fi
 echo "=== summary"; printf "%s" "$summary"
