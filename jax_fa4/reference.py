@@ -103,6 +103,20 @@ def attention_dense(
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
+def _like_inputs(init, *inputs):
+    """Give loop-carry initial values the varying manual axes of the inputs.
+
+    Inside shard_map the scan body's carry picks up the mesh axes its inputs
+    vary over; constant initial values must carry the same axes, or the carry
+    types disagree. Selecting 0 against one element of each input does that
+    with public APIs on every JAX version (the select folds away).
+    """
+    zero = sum(
+        jnp.where(False, x.reshape(-1)[0].astype(jnp.float32), jnp.float32(0)) for x in inputs
+    )
+    return jax.tree.map(lambda a: a + jax.lax.stop_gradient(zero).astype(a.dtype), init)
+
+
 def _pad_keys(x: jax.Array, block: int) -> tuple[jax.Array, int]:
     sk = x.shape[1]
     nblk = -(-sk // block)
@@ -171,6 +185,7 @@ def attention_blockwise(
         jnp.zeros((b, hkv, g, sq), jnp.float32),
         jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
     )
+    init = _like_inputs(init, q, k, v)
     (o, l, m), _ = jax.lax.scan(step, init, (jnp.arange(nblk), kb, vb))
     safe_l = jnp.where(l == 0, 1.0, l)
     out = (o / safe_l[..., None]).reshape(b, hq, sq, dv).transpose(0, 2, 1, 3)
@@ -235,7 +250,7 @@ def attention_bwd_blockwise(
         dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
         return dq, (dk_j, dv_j)
 
-    dq0 = jnp.zeros((b, sq, hkv, g, d), jnp.float32)
+    dq0 = _like_inputs(jnp.zeros((b, sq, hkv, g, d), jnp.float32), q, k, v, out, lse, dout, dlse)
     dq, (dkb, dvb) = jax.lax.scan(step, dq0, (jnp.arange(nblk), kb, vb))
     dk = dkb.transpose(1, 0, 2, 3, 4).reshape(b, nblk * bk, hkv, d)[:, :sk]
     dv = dvb.transpose(1, 0, 2, 3, 4).reshape(b, nblk * bk, hkv, dv_)[:, :sk]

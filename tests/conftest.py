@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 import tempfile
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+# Four CPU devices for the shard_map tests (read when JAX's CPU backend starts).
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # Tests compile kernels afresh: never load binaries an earlier run left in ~/.cache.
 os.environ["JAX_FA4_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_fa4_test_cache_")

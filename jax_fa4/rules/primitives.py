@@ -52,22 +52,48 @@ fa4_bwd_p.def_impl(functools.partial(_impl, fa4_bwd_p))
 # Abstract evaluation
 
 
+def _varying(aval) -> frozenset:
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _aval(shape, dtype, *like):
+    """A result aval that varies over the shard_map axes its operands vary over.
+
+    (The field holding those axes is `manual_axis_type` in JAX 0.10 and `vma`
+    before; copy whichever the operand has.)
+    """
+    src = max(like, key=lambda a: len(_varying(a)))
+    if not _varying(src):
+        return jax.core.ShapedArray(shape, dtype)
+    # A varying aval needs the mesh; the result's rank differs from the
+    # operand's, so give it a replicated spec of its own rank.
+    sharding = jax.sharding.NamedSharding(src.sharding.mesh, jax.sharding.PartitionSpec())
+    for attr in ("manual_axis_type", "vma"):
+        if hasattr(src, attr):
+            return jax.core.ShapedArray(
+                shape, dtype, sharding=sharding, **{attr: getattr(src, attr)}
+            )
+    return jax.core.ShapedArray(shape, dtype)
+
+
 @fa4_fwd_p.def_abstract_eval
 def _fwd_abstract(q, k, v, *, config: AttentionConfig):
     del config
     b, sq, hq, _ = q.shape
-    out = jax.core.ShapedArray((b, sq, hq, v.shape[-1]), q.dtype)
-    lse = jax.core.ShapedArray((b, hq, sq), jnp.float32)
+    out = _aval((b, sq, hq, v.shape[-1]), q.dtype, q, k, v)
+    lse = _aval((b, hq, sq), jnp.float32, q, k, v)
     return out, lse
 
 
 @fa4_bwd_p.def_abstract_eval
 def _bwd_abstract(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig):
-    del out, lse, dout, dlse, config
+    del config
+    operands = (q, k, v, out, lse, dout, dlse)
     return (
-        jax.core.ShapedArray(q.shape, q.dtype),
-        jax.core.ShapedArray(k.shape, k.dtype),
-        jax.core.ShapedArray(v.shape, v.dtype),
+        _aval(q.shape, q.dtype, *operands),
+        _aval(k.shape, k.dtype, *operands),
+        _aval(v.shape, v.dtype, *operands),
     )
 
 
