@@ -20,7 +20,7 @@ from jax.interpreters import batching, mlir
 
 from jax_fa4 import reference
 from jax_fa4.config import AttentionConfig, kernel_support_error, target_arch
-from jax_fa4.rules import kernels_cuda
+from jax_fa4.rules import kernels_cuda, sharding
 
 logger = logging.getLogger("jax_fa4")
 _logged: set[str] = set()
@@ -46,6 +46,14 @@ def _impl(prim, *args, config):
 
 fa4_fwd_p.def_impl(functools.partial(_impl, fa4_fwd_p))
 fa4_bwd_p.def_impl(functools.partial(_impl, fa4_bwd_p))
+
+# The lowering attaches a custom_partitioning rule (sharding.py), which needs
+# the device assignment while lowering. JAX has no public way to ask for it;
+# its own cuDNN attention primitives register the same way.
+from jax._src import dispatch as _dispatch  # noqa: E402
+
+_dispatch.prim_requires_devices_during_lowering.add(fa4_fwd_p)
+_dispatch.prim_requires_devices_during_lowering.add(fa4_bwd_p)
 
 
 # ----------------------------------------------------------------------------
@@ -164,21 +172,23 @@ def _kernel_problem(ctx, config) -> tuple[str | None, str | None]:
     return (arch, None) if err is None else (None, err)
 
 
-def _make_lowering(reference_fn, kernel_fn, platform):
-    ref_lowering = mlir.lower_fun(reference_fn, multiple_results=True)
+def _make_lowering(kind, reference_fn, kernel_fn, platform):
+    def lower(ctx, args, fn, **static):
+        # The sharding rule wraps only the final computation (sharding.py).
+        call = sharding.partitioned(kind, fn, **static)
+        return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
     def lowering(ctx, *args, config):
         if platform != "cuda":
             if config.implementation != "reference":
                 _no_kernel(config, f"no jax_fa4 kernel on platform {platform}")
-            return ref_lowering(ctx, *args, config=config)
+            return lower(ctx, args, reference_fn, config=config)
         arch, why = _kernel_problem(ctx, config)
         if arch is None:
             if config.implementation != "reference":
                 _no_kernel(config, why)
-            return ref_lowering(ctx, *args, config=config)
-        fn = functools.partial(kernel_fn, config=config, arch=arch)
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+            return lower(ctx, args, reference_fn, config=config)
+        return lower(ctx, args, kernel_fn, config=config, arch=arch)
 
     return lowering
 
@@ -186,11 +196,11 @@ def _make_lowering(reference_fn, kernel_fn, platform):
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
     mlir.register_lowering(
         fa4_fwd_p,
-        _make_lowering(_reference_fwd, kernels_cuda.forward, _platform),
+        _make_lowering("fwd", _reference_fwd, kernels_cuda.forward, _platform),
         platform=_platform,
     )
     mlir.register_lowering(
         fa4_bwd_p,
-        _make_lowering(_reference_bwd, kernels_cuda.backward, _platform),
+        _make_lowering("bwd", _reference_bwd, kernels_cuda.backward, _platform),
         platform=_platform,
     )

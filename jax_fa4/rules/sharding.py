@@ -1,0 +1,119 @@
+"""Sharding rules: under jit with sharded inputs, attention runs per device.
+
+Attention is independent across batch entries and across (query-head group,
+kv head) pairs, so both the batch and the head dimensions can stay sharded;
+sequence and head dims must be whole on each device (ring attention over
+sequence shards is a shard_map program, see tests/test_sharding.py).
+
+The rule is attached inside each primitive's lowering, as JAX's own cuDNN
+attention does: vmap and autodiff act on the primitives first, and only the
+final computation (kernel call or reference) is wrapped in
+`custom_partitioning`. Under SPMD partitioning XLA asks `_partition` for the
+operand shardings it wants and calls the wrapped computation on local shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Operands: q [B,S,H,D], k [B,T,K,D], v [B,T,K,E] (+ out, lse, dout, dlse for the backward).
+_FWD_RULE = "b s h d, b t k d, b t k e -> b s h e, b h s"
+_BWD_RULE = (
+    "b s h d, b t k d, b t k e, b s h e, b h s, b s h e, b h s -> b s h d, b t k d, b t k e"
+)
+# In order of first appearance in the rules (the verifier wants them sorted).
+_REPLICATED_FACTORS = ("s", "d", "t", "e")
+
+
+def _axes_size(mesh, axes) -> int:
+    if axes is None:
+        return 1
+    names = axes if isinstance(axes, tuple) else (axes,)
+    size = 1
+    for n in names:
+        size *= mesh.shape[n]
+    return size
+
+
+def _plan(mesh, arg_shapes):
+    """(batch axes, head axes) to keep sharded, read off the query's sharding."""
+    q, k = arg_shapes[0], arg_shapes[1]
+    spec = getattr(getattr(q, "sharding", None), "spec", None)
+    spec = tuple(spec) + (None,) * (4 - len(spec)) if spec is not None else (None,) * 4
+    batch, heads = spec[0], spec[2]
+    if batch is not None and q.shape[0] % _axes_size(mesh, batch):
+        batch = None
+    # A head sharding must split query heads and kv heads alike, so that each
+    # device keeps whole GQA groups.
+    if heads is not None:
+        n = _axes_size(mesh, heads)
+        if q.shape[2] % n or k.shape[2] % n:
+            heads = None
+    return batch, heads
+
+
+def _specs_fwd(batch, heads):
+    bshd = P(batch, None, heads, None)
+    return (bshd, bshd, bshd), (bshd, P(batch, heads, None))
+
+
+def _specs_bwd(batch, heads):
+    bshd = P(batch, None, heads, None)
+    bhs = P(batch, heads, None)
+    return (bshd, bshd, bshd, bshd, bhs, bshd, bhs), (bshd, bshd, bshd)
+
+
+def _make(impl: Callable, specs_fn, rule: str, n_args: int):
+    @functools.partial(custom_partitioning, static_argnums=(n_args,))
+    def call(*args):
+        *arrays, static = args
+        return tuple(impl(*arrays, **dict(static)))
+
+    def partition(static, mesh, arg_shapes, result_shape):
+        batch, heads = _plan(mesh, arg_shapes)
+        arg_specs, out_specs = specs_fn(batch, heads)
+
+        def lower(*arrays):
+            return tuple(impl(*arrays, **dict(static)))
+
+        return (
+            mesh,
+            lower,
+            tuple(NamedSharding(mesh, s) for s in out_specs),
+            tuple(NamedSharding(mesh, s) for s in arg_specs),
+        )
+
+    def infer(static, mesh, arg_shapes, result_shape):
+        del static, result_shape
+        _, out_specs = specs_fn(*_plan(mesh, arg_shapes))
+        return tuple(NamedSharding(mesh, s) for s in out_specs)
+
+    call.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=rule,
+        need_replication_factors=_REPLICATED_FACTORS,
+    )
+    return call
+
+
+@functools.cache
+def _partitioned(kind: str, impl: Callable) -> Callable:
+    if kind == "fwd":
+        return _make(impl, _specs_fwd, _FWD_RULE, 3)
+    return _make(impl, _specs_bwd, _BWD_RULE, 7)
+
+
+def partitioned(kind: str, impl: Callable, **static) -> Callable:
+    """``impl(*arrays, **static)`` with the attention sharding rule attached.
+
+    ``static`` values must be hashable (the config and the kernel arch).
+    """
+    call = _partitioned(kind, impl)
+    frozen = tuple(sorted(static.items()))
+    return lambda *arrays: call(*arrays, frozen)
