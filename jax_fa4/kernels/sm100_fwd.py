@@ -1,0 +1,1092 @@
+"""Blackwell (sm_100a) flash-attention forward with FA4's design.
+
+Status: compiled for sm_100a and inspected (PTX / SASS) on a CPU machine; it has
+NOT been run on Blackwell hardware yet.
+
+One CTA computes two 128-row Q tiles (256 rows of O) of one (batch, q head),
+with 16 warps that each have one role and talk only through mbarriers:
+
+    warps 0-3    softmax of Q tile 0       (setmaxnreg 192)
+    warps 4-7    softmax of Q tile 1       (192)
+    warps 8-11   correction: rescale O in TMEM, final 1/row_sum, LSE  (80)
+    warp  12     MMA issue; allocates and frees the tensor memory      (48)
+    warp  13     epilogue: TMA store of O                              (48)
+    warp  14     load: TMA of Q0, Q1 and of the K/V ring               (48)
+    warp  15     idle (its warpgroup must still run setmaxnreg)        (48)
+
+Tensor memory (512 columns, fp32 words, lane = row of the tile):
+
+    cols   0-127  S0 = Q0 K^T; P0 (16 bit, 64 words) overwrites cols 64-127
+    cols 128-255  S1, P1 in cols 192-255
+    cols 256-     O0 (Dv words), then O1
+
+Per KV block t (blocks run from the last one down to 0, so the first block
+processed carries the seqlen_k tail and the causal diagonal):
+
+    MMA:        S_i(t) = Q_i K(t)^T   (tcgen05.mma, both operands in SMEM)
+    softmax_i:  tcgen05.ld S_i, mask, row max (FA4's lazy rescale), exp2 on
+                MUFU and, for a fraction of each row, in software (exp2.py),
+                P_i in 16 bits tcgen05.st over S_i; the O scale of each row
+                goes to SMEM for the correction warps
+    correction: once O_i += P_i(t-1) V(t-1) has finished, rescale O_i in TMEM
+                where a row's reference max moved (one ballot per warp)
+    MMA:        O_i += P_i(t) V(t)    (tcgen05.mma, P from TMEM, V in SMEM),
+                issued once P_i(t) is written AND O_i is rescaled; then
+                S_i(t+1) = Q_i K(t+1)^T into the same columns (tcgen05 MMAs
+                of one thread execute in issue order, so the read of P comes
+                before the overwrite)
+
+Synchronisation (every barrier completes once per use; waiters track parity):
+
+    q_full[2], kv_full/empty[stages]   load <-> MMA (PipelineTmaUmma)
+    s_full[i]     MMA -> softmax_i       tcgen05.commit after S_i(t)
+    p_ready[i]    softmax_i (128) + correction (128) -> MMA, before O_i += P_i V
+    o_done[i]     MMA -> correction      tcgen05.commit after O_i += P_i V
+    stats[i]      softmax_i -> correction: row scales of block t >= 1 in SMEM
+    final[i]      softmax_i -> correction: row sum and max after the last block
+    o_smem[i]     correction -> epilogue: O_i normalised in SMEM
+
+No barrier can run a full phase ahead of its waiter: each producer's next
+arrival depends (through the chain above) on the waiter's previous wait, which
+keeps parity waits unambiguous.
+
+The contract (docs/design.md): tensors arrive row-major as JAX holds them, with
+dynamic batch, sequence and head extents; head dims are compile-time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, cute, pipeline
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from jax_fa4.kernels.exp2 import exp2_poly_x2
+from jax_fa4.kernels.softmax import LN_2, LOG2_E, RESCALE_THRESHOLD
+
+logger = logging.getLogger(__name__)
+
+_WARP = 32
+_WG = 128  # threads of a warpgroup = rows of a Q tile (one TMEM lane each)
+
+# Warp roles (see the module docstring).
+_SOFTMAX0_WARP = 0
+_SOFTMAX1_WARP = 4
+_CORRECTION_WARP = 8
+_MMA_WARP = 12
+_EPILOGUE_WARP = 13
+_LOAD_WARP = 14
+_NUM_WARPS = 16
+
+# Named barriers; 0 is __syncthreads.
+_BAR_TMEM_ALLOC = 1  # MMA warp + softmax + correction: TMEM address is published
+_BAR_TMEM_FREE = 2  # MMA warp + correction: last TMEM read done, free it
+
+# mbarrier slots in SharedStorage.mbar (one per Q tile each).
+_S_FULL = 0
+_P_READY = 2
+_O_DONE = 4
+_STATS = 6
+_FINAL = 8
+_O_SMEM = 10
+_NUM_MBARS = 12
+
+# Sizes in bytes.
+_SMEM_CAPACITY = 227 * 1024  # sm_100 dynamic SMEM per CTA
+_SMEM_RESERVE = 4 * 1024  # row stats, mbarriers, TMEM address, alignment slack
+_TMEM_COLS = 512
+_P_CHUNK = 32  # S columns converted and stored to TMEM as P at a time
+_O_CHUNK = 32  # O columns per correction tcgen05.ld / st (32 registers in flight)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100FwdTiles:
+    """Tuning knobs of the sm100 forward; see ``fwd_tiles``."""
+
+    tile_m: int  # rows of one Q tile (the tcgen05 MMA M)
+    tile_n: int  # keys per KV block
+    kv_stages: int  # K and V tiles share one SMEM ring of this many slots
+    softmax_regs: int
+    correction_regs: int
+    other_regs: int
+    sw_exp2_per_32: int  # of every 32 elements of a row, the last this many use exp2_poly_x2
+    rescale_threshold: float  # Note [Lazy rescale], log2 units
+
+
+def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2) -> Sm100FwdTiles:
+    """The tile table: 2 x (128 x 128) tiles, KV stages from the SMEM budget.
+
+    SMEM holds the two Q tiles (O reuses them in the epilogue: a Q tile is dead
+    once O_i's last P V has completed, which is when its O is normalised) and
+    the K/V ring: stages = (227 KB - 4 KB reserve - Q) / tile bytes, which gives
+    4 at head dim 128 and 11 at head dim 64 (FA4, which keeps a separate O
+    buffer, uses 3 and 10).
+    Registers: 512 threads x 128 = 64K; softmax 2 x 128 x 192 + correction
+    128 x 80 + the rest 128 x 48 = 64K (FA4's split).
+    Software exp2: 4 of every 32 elements (12.5%) at head dim 128, 8 (25%) at
+    head dim 64, where the MUFU unit limits the softmax most (FA4 uses 12.5%
+    to 25%). Not tuned on hardware (none available yet).
+    """
+    if head_dim != head_dim_v:
+        raise ValueError(f"sm100 forward needs D == Dv, got {head_dim} and {head_dim_v}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"sm100 forward supports head dims 64 and 128, got {head_dim}")
+    del causal  # same tiles for causal and not (not measured yet)
+    tile_m = tile_n = 128
+    q_bytes = 2 * tile_m * head_dim * dtype_bytes
+    kv_tile_bytes = tile_n * head_dim * dtype_bytes
+    stages = (_SMEM_CAPACITY - _SMEM_RESERVE - q_bytes) // kv_tile_bytes
+    return Sm100FwdTiles(
+        tile_m=tile_m,
+        tile_n=tile_n,
+        kv_stages=stages,
+        softmax_regs=192,
+        correction_regs=80,
+        other_regs=48,
+        sw_exp2_per_32=4 if head_dim >= 128 else 8,
+        rescale_threshold=RESCALE_THRESHOLD,
+    )
+
+
+def kv_block_schedule(m_block, seqlen_k, causal: bool, rows_per_cta: int, tile_n: int):
+    """(n_blocks, n_masked) of the CTA that owns rows [m_block * rows_per_cta, +rows_per_cta).
+
+    Blocks are processed from n_blocks - 1 down to 0; the first n_masked of them
+    (the highest) are masked: the seqlen_k tail always, and under causal every
+    block that reaches past the CTA's first row. The rest are fully visible to
+    every row of the CTA. Works on Python ints (tests) and DSL Int32 (kernel).
+    """
+    n_blocks = cute.ceil_div(seqlen_k, tile_n)
+    n_masked = 1
+    if cutlass.const_expr(causal):
+        n_blocks = cutlass.min(n_blocks, cute.ceil_div((m_block + 1) * rows_per_cta, tile_n))
+        n_full = cutlass.min((m_block * rows_per_cta) // tile_n, n_blocks)
+        n_masked = cutlass.max(n_blocks - n_full, 1)
+    return n_blocks, n_masked
+
+
+def _as_cutlass_dtype(dtype: Any) -> type[cutlass.Numeric]:
+    """Accept cutlass types, numpy/jax dtypes or their names."""
+    if isinstance(dtype, type) and issubclass(dtype, cutlass.Numeric):
+        return dtype
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    table = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+    if name not in table:
+        raise ValueError(f"sm100 forward supports bfloat16 and float16, got {dtype!r}")
+    return table[name]
+
+
+def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    """Re-view a tensor with its modes reordered (no data movement)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _advanced(state):
+    """A copy of a pipeline state moved to the next stage.
+
+    Loops reassign states (``s = _advanced(s)``) rather than mutate them, so
+    the DSL sees them as loop-carried values.
+    """
+    state = state.clone()
+    state.advance()
+    return state
+
+
+@dsl_user_op
+def _tcgen05_fence_before_sync(*, loc=None, ip=None) -> None:
+    """Order this thread's tcgen05 ops before a following barrier arrive."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _tcgen05_fence_after_sync(*, loc=None, ip=None) -> None:
+    """Order this thread's later tcgen05 ops after a preceding barrier wait."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+class FlashFwdSm100:
+    """Forward attention for sm_100a, one compiled binary per configuration.
+
+    dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
+    head_dim, head_dim_v: D and Dv (compile time; 64 or 128, D == Dv).
+    causal: top-left causal mask.
+    softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
+    tiles: override the tile table (``fwd_tiles``) for experiments.
+    """
+
+    def __init__(
+        self,
+        dtype: Any,
+        head_dim: int,
+        head_dim_v: int | None = None,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        tiles: Sm100FwdTiles | None = None,
+    ):
+        self.dtype = _as_cutlass_dtype(dtype)
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        self.causal = causal
+        self.softmax_scale = (
+            1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        )
+        if self.softmax_scale <= 0.0:
+            raise ValueError("softmax_scale must be positive")
+        self.scale_log2 = self.softmax_scale * LOG2_E
+        self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
+        t = self.tiles
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        if (self.tile_m, self.tile_n) != (128, 128):
+            raise ValueError("sm100 forward is written for 128 x 128 tiles")
+        if 2 * self.tile_n + 2 * self.head_dim_v > _TMEM_COLS:
+            raise ValueError("S0, S1, O0, O1 do not fit in tensor memory")
+        if self.tile_n % 32 or t.sw_exp2_per_32 % 2 or not 0 <= t.sw_exp2_per_32 <= 32:
+            raise ValueError("sw_exp2_per_32 must be even and in [0, 32]")
+        self.num_threads = _NUM_WARPS * _WARP
+        logger.debug(
+            "FlashFwdSm100 %s D=%d Dv=%d causal=%s tiles=%s",
+            self.dtype,
+            self.head_dim,
+            self.head_dim_v,
+            causal,
+            t,
+        )
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        stream: cuda.CUstream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
+    ):
+        for t in (mQ, mK, mV, mO):
+            if cutlass.const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if cutlass.const_expr(mLSE.element_type != Float32):
+            raise TypeError("LSE must be float32")
+        # FA4 order: Q, K, O (seqlen, head_dim, heads, batch); V as the MN-major
+        # B operand of P V: (head_dim_v, seqlen_k, heads, batch); LSE (seqlen, heads, batch).
+        mQ, mK, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+        mVt = _permute(mV, [3, 1, 2, 0])
+        mLSE = _permute(mLSE, [2, 1, 0])
+
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        stages = self.tiles.kv_stages
+        major_k = cute.nvgpu.OperandMajorMode.K
+        major_mn = cute.nvgpu.OperandMajorMode.MN
+        cta_group = tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major_k, major_k, Float32, cta_group, (tm, tn)
+        )
+        # P comes from TMEM (K-major, 16 bit); V^T is MN-major in SMEM.
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            major_k,
+            major_mn,
+            Float32,
+            cta_group,
+            (tm, dv),
+            tcgen05.OperandSource.TMEM,
+        )
+        qk_tiler = (tm, tn, d)
+        pv_tiler = (tm, dv, tn)
+
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, qk_tiler, self.dtype, 2)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, qk_tiler, self.dtype, stages)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, pv_tiler, self.dtype, stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, pv_tiler, self.dtype, 1)
+        sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv), 2)
+        # K and V share the ring: same tile size (D == Dv) and so the same stage stride.
+        k_tile = cute.cosize(cute.select(sK_layout, mode=[0, 1, 2]))
+        v_tile = cute.cosize(cute.select(sV_layout, mode=[0, 1, 2]))
+        if cutlass.const_expr(k_tile != v_tile):
+            raise ValueError("K and V tiles must have the same size to share the ring")
+        if cutlass.const_expr(cute.cosize(sO_layout) > cute.cosize(sQ_layout)):
+            raise ValueError("O must fit in the Q buffer it reuses")
+
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,))
+        g2s = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            g2s, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), qk_tiler, tiled_mma_qk,
+            cluster_vmnk.shape,
+        )  # fmt: skip
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            g2s, mK, cute.select(sK_layout, mode=[0, 1, 2]), qk_tiler, tiled_mma_qk,
+            cluster_vmnk.shape,
+        )  # fmt: skip
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            g2s, mVt, cute.select(sV_layout, mode=[0, 1, 2]), pv_tiler, tiled_mma_pv,
+            cluster_vmnk.shape,
+        )  # fmt: skip
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (tm, dv)
+        )
+        self.tx_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.tx_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar: cute.struct.MemRange[cutlass.Int64, _NUM_MBARS]
+            tmem_addr: Int32
+            # Per Q tile and row: the O scale of the current block, then the
+            # final row sum and reference max (separate slots: see correction()).
+            row_scale: cute.struct.MemRange[Float32, 2 * tm]
+            row_sum: cute.struct.MemRange[Float32, 2 * tm]
+            row_max: cute.struct.MemRange[Float32, 2 * tm]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+
+        seqlen_q = mQ.shape[0]
+        grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_Q,
+            tma_K,
+            tma_V,
+            tma_O,
+            mLSE,
+            tma_atom_Q,
+            tma_atom_K,
+            tma_atom_V,
+            tma_atom_O,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            tP_layout,
+            sO_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA view of Q (Sq, D, Hq, B)
+        mK: cute.Tensor,  # TMA view of K (Sk, D, Hkv, B)
+        mVt: cute.Tensor,  # TMA view of V^T (Dv, Sk, Hkv, B)
+        mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,  # ((MMA, MMA_M, MMA_K), 2 Q tiles)
+        sK_layout: cute.ComposedLayout,  # ((MMA, MMA_N, MMA_K), stages)
+        sV_layout: cute.ComposedLayout,  # ((MMA, MMA_N=Dv, MMA_K), stages)
+        tP_layout: cute.ComposedLayout,  # P as the TMEM A operand of P V
+        sO_layout: cute.ComposedLayout,  # (tile_m, Dv, 2 Q tiles), aliases sQ
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == _LOAD_WARP:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar = storage.mbar.data_ptr()
+
+        load_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=2,
+            producer_group=load_thread,
+            consumer_group=mma_thread,
+            tx_count=self.tx_bytes_q,
+            defer_sync=True,
+        )
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_kv.data_ptr(),
+            num_stages=self.tiles.kv_stages,
+            producer_group=load_thread,
+            consumer_group=mma_thread,
+            tx_count=self.tx_bytes_kv,
+            defer_sync=True,
+        )
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(mbar + _S_FULL + i, 1)
+                    cute.arch.mbarrier_init(mbar + _P_READY + i, 2 * _WG)
+                    cute.arch.mbarrier_init(mbar + _O_DONE + i, 1)
+                    cute.arch.mbarrier_init(mbar + _STATS + i, _WG)
+                    cute.arch.mbarrier_init(mbar + _FINAL + i, _WG)
+                    cute.arch.mbarrier_init(mbar + _O_SMEM + i, _WG)
+            cute.arch.mbarrier_init_fence()
+
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_addr.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=_BAR_TMEM_ALLOC, num_threads=(2 * 4 + 4 + 1) * _WARP
+            ),
+            allocator_warp_id=_MMA_WARP,
+        )
+        tmem_free_bar = pipeline.NamedBarrier(barrier_id=_BAR_TMEM_FREE, num_threads=5 * _WARP)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sKV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        row_scale = storage.row_scale.get_tensor(cute.make_layout((self.tile_m, 2)))
+        row_sum = storage.row_sum.get_tensor(cute.make_layout((self.tile_m, 2)))
+        row_max = storage.row_max.get_tensor(cute.make_layout((self.tile_m, 2)))
+
+        # Block coordinates. Causal CTAs lower in the matrix have more KV blocks:
+        # launch them first so the longest CTAs do not start last.
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        n_blocks, n_masked = kv_block_schedule(
+            m_block, seqlen_k, self.causal, 2 * self.tile_m, self.tile_n
+        )
+
+        cute.arch.sync_threads()  # barriers initialised and visible
+
+        if warp_idx < _CORRECTION_WARP:
+            cute.arch.setmaxregister_increase(self.tiles.softmax_regs)
+            tile = warp_idx // 4
+            self.softmax(
+                tmem, tiled_mma_qk, row_scale, row_sum, row_max, mbar, tile,
+                m_block, seqlen_k, n_blocks, n_masked,
+            )  # fmt: skip
+        elif warp_idx < _MMA_WARP:
+            cute.arch.setmaxregister_decrease(self.tiles.correction_regs)
+            self.correction(
+                tmem, tmem_free_bar, tiled_mma_pv, row_scale, row_sum, row_max, sO, mLSE,
+                mbar, m_block, head, batch, seqlen_q, n_blocks,
+            )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_decrease(self.tiles.other_regs)
+            if warp_idx == _MMA_WARP:
+                self.mma(
+                    tmem, tmem_free_bar, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tP_layout,
+                    pipe_q, pipe_kv, mbar, n_blocks,
+                )  # fmt: skip
+            elif warp_idx == _EPILOGUE_WARP:
+                self.epilogue(mO, sO, tma_atom_O, mbar, m_block, head, batch)
+            elif warp_idx == _LOAD_WARP:
+                self.load(
+                    mQ, mK, mVt, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_kv, m_block, head, head_kv,
+                    batch, n_blocks,
+                )  # fmt: skip
+
+    # ------------------------------------------------------------------ load
+    @cute.jit
+    def load(
+        self,
+        mQ: cute.Tensor,  # (Sq, D, Hq, B)
+        mK: cute.Tensor,  # (Sk, D, Hkv, B)
+        mVt: cute.Tensor,  # (Dv, Sk, Hkv, B)
+        sQ: cute.Tensor,  # ((MMA, MMA_M, MMA_K), 2)
+        sK: cute.Tensor,  # ((MMA, MMA_N, MMA_K), stages)
+        sV: cute.Tensor,  # ((MMA, MMA_N, MMA_K), stages), aliases sK
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        pipe_q: pipeline.PipelineTmaUmma,
+        pipe_kv: pipeline.PipelineTmaUmma,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        n_blocks: Int32,
+    ):
+        """Load warp: Q0, K(first), Q1, then K(t), V(t-1) ... V(last) through the ring.
+
+        This is the order the MMA warp consumes them in. TMA zero-fills rows
+        past the sequence ends, so tails need no special loads.
+        """
+        thr_qk = tiled_mma_qk.get_slice(0)
+        thr_pv = tiled_mma_pv.get_slice(0)
+        one = cute.make_layout(1)
+        # (tile_m, D, m tiles, 1) -> MMA partition -> TMA partition.
+        gQ = cute.flat_divide(mQ[None, None, head, batch], (self.tile_m, self.head_dim))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
+            cute.group_modes(thr_qk.partition_A(gQ), 0, 3),
+        )  # fmt: skip
+        gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
+            cute.group_modes(thr_qk.partition_B(gK), 0, 3),
+        )  # fmt: skip
+        gV = cute.flat_divide(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
+            cute.group_modes(thr_pv.partition_B(gV), 0, 3),
+        )  # fmt: skip
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        kv_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.tiles.kv_stages
+        )
+
+        n_last = n_blocks - 1
+        q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block, 0], tQsQ, q_state)
+        kv_state = self._tma_load(pipe_kv, tma_atom_K, tKgK[None, n_last, 0], tKsK, kv_state)
+        q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block + 1, 0], tQsQ, q_state)
+        for t in cutlass.range(1, n_blocks, unroll=1):
+            kv_state = self._tma_load(
+                pipe_kv, tma_atom_K, tKgK[None, n_last - t, 0], tKsK, kv_state
+            )
+            kv_state = self._tma_load(
+                pipe_kv, tma_atom_V, tVgV[None, 0, n_last - t + 1], tVsV, kv_state
+            )
+        kv_state = self._tma_load(pipe_kv, tma_atom_V, tVgV[None, 0, 0], tVsV, kv_state)
+
+    @cute.jit
+    def _tma_load(
+        self,
+        pipe: pipeline.PipelineTmaUmma,
+        atom: cute.CopyAtom,
+        src: cute.Tensor,  # (TMA,) one tile in global memory
+        dst: cute.Tensor,  # (TMA, stages) SMEM
+        state: pipeline.PipelineState,
+    ) -> pipeline.PipelineState:
+        """Acquire a slot, start the TMA into it; return the advanced state.
+
+        Loops reassign the returned state so the DSL carries it through them.
+        """
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=bar)
+        return _advanced(state)
+
+    # ------------------------------------------------------------------- mma
+    @cute.jit
+    def mma(
+        self,
+        tmem: cutlass.memory.TmemAllocator,
+        tmem_free_bar: pipeline.NamedBarrier,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ: cute.Tensor,  # ((MMA, MMA_M, MMA_K), 2)
+        sK: cute.Tensor,  # ((MMA, MMA_N, MMA_K), stages)
+        sV: cute.Tensor,  # ((MMA, MMA_N, MMA_K), stages)
+        tP_layout: cute.ComposedLayout,
+        pipe_q: pipeline.PipelineTmaUmma,
+        pipe_kv: pipeline.PipelineTmaUmma,
+        mbar: cute.Pointer,
+        n_blocks: Int32,
+    ):
+        """MMA warp: allocates TMEM, issues every tcgen05.mma, frees TMEM at the end.
+
+        Per block t >= 1 and tile i: wait p_ready[i] (P_i(t-1) written and O_i
+        rescaled), O_i += P_i(t-1) V(t-1), then S_i(t) = Q_i K(t)^T.
+        """
+        tmem.allocate(_TMEM_COLS)
+        tmem.relinquish_alloc_permit()
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+
+        thr_qk = tiled_mma_qk.get_slice(0)
+        thr_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = thr_qk.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, 2)
+        tSrK = thr_qk.make_fragment_B(sK)  # (MMA, MMA_N, MMA_K, stages)
+        tOrV = thr_pv.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, stages)
+        tStS, tOtO, tOrP = self._tmem_views(thr_qk, thr_pv, tP_layout, tmem_ptr)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        kv_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.tiles.kv_stages
+        )
+        # Block 0 of the sequence: S_0 and S_1 against the first K.
+        pipe_kv.consumer_wait(kv_state)
+        for tile in cutlass.range_constexpr(2):
+            pipe_q.consumer_wait(q_state)
+            # Q tile i sits in Q stage i (loaded in that order).
+            self._issue_qk(
+                tiled_mma_qk,
+                tStS[tile],
+                tSrQ[None, None, None, tile],
+                tSrK[None, None, None, kv_state.index],
+                mbar + _S_FULL + tile,
+            )
+            q_state = _advanced(q_state)
+        pipe_kv.consumer_release(kv_state)
+        kv_state = _advanced(kv_state)
+        for t in cutlass.range(1, n_blocks, unroll=1):
+            k_state = kv_state
+            pipe_kv.consumer_wait(k_state)  # K(t)
+            v_state = _advanced(k_state)
+            pipe_kv.consumer_wait(v_state)  # V(t-1)
+            for tile in cutlass.range_constexpr(2):
+                self._issue_pv(
+                    tiled_mma_pv,
+                    tOtO[tile],
+                    tOrP[tile],
+                    tOrV[None, None, None, v_state.index],
+                    mbar,
+                    tile,
+                    t - 1,
+                    t > 1,
+                )
+                self._issue_qk(
+                    tiled_mma_qk,
+                    tStS[tile],
+                    tSrQ[None, None, None, tile],
+                    tSrK[None, None, None, k_state.index],
+                    mbar + _S_FULL + tile,
+                )
+            pipe_kv.consumer_release(k_state)
+            pipe_kv.consumer_release(v_state)
+            kv_state = _advanced(v_state)
+        pipe_kv.consumer_wait(kv_state)  # V(last)
+        for tile in cutlass.range_constexpr(2):
+            self._issue_pv(
+                tiled_mma_pv,
+                tOtO[tile],
+                tOrP[tile],
+                tOrV[None, None, None, kv_state.index],
+                mbar,
+                tile,
+                n_blocks - 1,
+                n_blocks > 1,
+            )
+        pipe_kv.consumer_release(kv_state)
+        # Q tiles are never released: each CTA loads them once.
+
+        # The correction warps arrive here after their last TMEM read.
+        tmem_free_bar.arrive_and_wait()
+        _tcgen05_fence_after_sync()
+        tmem.free(tmem_ptr)
+
+    @cute.jit
+    def _issue_qk(
+        self,
+        tiled_mma: cute.TiledMma,
+        tStS: cute.Tensor,  # (MMA, MMA_M, MMA_N) fp32 TMEM, S_i
+        tSrQ: cute.Tensor,  # (MMA, MMA_M, MMA_K) SMEM descriptors of Q_i
+        tSrK: cute.Tensor,  # (MMA, MMA_N, MMA_K) SMEM descriptors of one K slot
+        s_full: cute.Pointer,
+    ):
+        """S_i = Q_i K^T over all k-blocks, then signal the softmax on completion."""
+        # A local atom: setting a field on the shared tiled MMA inside a runtime
+        # loop would make the tracer carry it out of the loop.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            atom.set(tcgen05.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+        with cute.arch.elect_one():
+            tcgen05.commit(s_full)
+
+    @cute.jit
+    def _issue_pv(
+        self,
+        tiled_mma: cute.TiledMma,
+        tOtO: cute.Tensor,  # (MMA, MMA_M, MMA_N) fp32 TMEM, O_i
+        tOrP: cute.Tensor,  # (MMA, MMA_M, MMA_K) 16-bit TMEM, P_i
+        tOrV: cute.Tensor,  # (MMA, MMA_N, MMA_K) SMEM descriptors of one V slot
+        mbar: cute.Pointer,
+        tile: int,
+        t_prev: Int32,
+        accumulate,
+    ):
+        """O_i (+)= P_i V once P_i is written and O_i rescaled; signal o_done[i].
+
+        accumulate is False for the first block: O's TMEM starts uninitialised.
+        """
+        cute.arch.mbarrier_wait(mbar + _P_READY + tile, t_prev % 2)
+        _tcgen05_fence_after_sync()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            if cutlass.const_expr(k == 0):
+                atom.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                atom.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(atom, tOtO, tOrP[None, None, k], tOrV[None, None, k], tOtO)
+        with cute.arch.elect_one():
+            tcgen05.commit(mbar + _O_DONE + tile)
+
+    def _tmem_views(self, thr_qk, thr_pv, tP_layout, tmem_ptr):
+        """Per Q tile: S_i, O_i and P_i views of the tensor memory.
+
+        S_i: (MMA, MMA_M, MMA_N) fp32, tile_m x tile_n at column i * tile_n.
+        O_i: (MMA, MMA_M, MMA_N) fp32, tile_m x Dv at column 2 * tile_n + i * Dv.
+        P_i: (MMA, MMA_M, MMA_K) 16-bit A operand of P V, over the upper half
+        of S_i's columns (two elements per 32-bit column).
+        """
+        s_layout = thr_qk.make_fragment_C(
+            thr_qk.partition_shape_C((self.tile_m, self.tile_n))
+        ).layout
+        o_layout = thr_pv.make_fragment_C(
+            thr_pv.partition_shape_C((self.tile_m, self.head_dim_v))
+        ).layout
+        p_layout = thr_pv.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[
+            None, None, None, 0
+        ].layout
+        tStS = [cute.make_tensor(tmem_ptr + self._s_col(i), s_layout) for i in range(2)]
+        tOtO = [cute.make_tensor(tmem_ptr + self._o_col(i), o_layout) for i in range(2)]
+        tOrP = [
+            cute.make_tensor(cute.recast_ptr(tmem_ptr + self._p_col(i), dtype=self.dtype), p_layout)
+            for i in range(2)
+        ]
+        return tStS, tOtO, tOrP
+
+    # TMEM column map (32-bit columns), see the module docstring.
+    def _s_col(self, tile):
+        return tile * self.tile_n
+
+    def _p_col(self, tile):
+        return tile * self.tile_n + self.tile_n // 2
+
+    def _o_col(self, tile):
+        return 2 * self.tile_n + tile * self.head_dim_v
+
+    # --------------------------------------------------------------- softmax
+    @cute.jit
+    def softmax(
+        self,
+        tmem: cutlass.memory.TmemAllocator,
+        tiled_mma_qk: cute.TiledMma,
+        row_scale: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        row_sum: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        row_max: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        mbar: cute.Pointer,
+        tile: Int32,
+        m_block: Int32,
+        seqlen_k: Int32,
+        n_blocks: Int32,
+        n_masked: Int32,
+    ):
+        """Softmax warpgroup of Q tile ``tile``: one thread per row, whole rows.
+
+        A thread holds its row's 128 scores, so the row max and sum need no
+        shuffles. Per block: S from TMEM, mask, lazy max (Note [Lazy rescale] in
+        softmax.py), exp2 (MUFU + exp2_poly_x2), P to TMEM over S.
+        """
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+        tidx = cute.arch.thread_idx()[0] % _WG
+        thr_qk = tiled_mma_qk.get_slice(0)
+        tStS = cute.make_tensor(
+            tmem_ptr,
+            thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n))).layout,
+        )
+        tStS_i = cute.make_tensor(tmem_ptr + tile * self.tile_n, tStS.layout)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+        # S: tcgen05.ld 32 lanes x 32 columns per instruction, one row per thread.
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        thr_ld = tcgen05.make_tmem_copy(ld_atom, tStS_i).get_slice(tidx)
+        tSsrc = thr_ld.partition_S(tStS_i)
+        tScrd = thr_ld.partition_D(tScS)  # (row, col) of every register of the row
+        rS = cute.make_rmem_tensor(tScrd.shape, Float32)
+
+        # P: 16-bit pairs packed in 32-bit words, in the upper half of S's columns.
+        p_cols = self.tile_n * self.dtype.width // 32
+        tStP = cute.make_tensor(
+            tmem_ptr + tile * self.tile_n + self.tile_n // 2,
+            cute.composition(tStS.layout, cute.make_layout((self.tile_m, p_cols))),
+        )
+        tScP = cute.make_tensor(
+            tScS.iterator, cute.composition(tScS.layout, cute.make_layout((self.tile_m, p_cols)))
+        )
+        # One tcgen05.st per 32 columns of S (16 words of P), issued as soon as
+        # that chunk is converted: frees its registers and overlaps the stores.
+        st_atom = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(_P_CHUNK // 2)), Float32
+        )
+        thr_st = tcgen05.make_tmem_copy(st_atom, tStP).get_slice(tidx)
+        tPdst = thr_st.partition_D(tStP)
+        rP32 = cute.make_rmem_tensor(thr_st.partition_S(tScP).shape, Float32)
+        # The same registers as 16-bit values, element i = column i of the row
+        # (the 32x32b load puts column i in register i; so does the store).
+        rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), rS.layout)
+
+        row = tScrd[0][0]  # this thread's row of the tile (its TMEM lane)
+        row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
+        c = self.scale_log2
+        m_ref = Float32(-math.inf)  # reference max of the row (stale by up to the threshold)
+        l_sum = Float32(0.0)  # row sum of P against m_ref, fp32 (before 16-bit rounding)
+        n_last = n_blocks - 1
+
+        for t in cutlass.range(n_masked, unroll=1):
+            m_ref, l_sum = self._softmax_step(
+                t, n_last - t, True, row_global, seqlen_k, m_ref, l_sum, c, mbar,
+                tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
+            )  # fmt: skip
+        for t in cutlass.range(n_masked, n_blocks, unroll=1):
+            m_ref, l_sum = self._softmax_step(
+                t, n_last - t, False, row_global, seqlen_k, m_ref, l_sum, c, mbar,
+                tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
+            )  # fmt: skip
+
+        # Final stats for the correction warps (their own slots, see correction()).
+        row_sum[row, tile] = l_sum
+        row_max[row, tile] = m_ref
+        cute.arch.mbarrier_arrive(mbar + _FINAL + tile)
+
+    @cute.jit
+    def _softmax_step(
+        self,
+        t: Int32,
+        n_block: Int32,
+        apply_mask: cutlass.Constexpr[bool],
+        row_global: Int32,
+        seqlen_k: Int32,
+        m_ref: Float32,
+        l_sum: Float32,
+        c: cutlass.Constexpr[float],
+        mbar: cute.Pointer,
+        tile: Int32,
+        row: Int32,
+        row_scale: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        thr_ld,
+        tSsrc: cute.Tensor,  # this thread's S row in TMEM
+        tScrd: cute.Tensor,  # (row, col) coordinates of rS
+        rS: cute.Tensor,  # (tile_n,) f32 registers
+        thr_st,
+        tPdst: cute.Tensor,  # this thread's P row in TMEM (packed pairs)
+        rP32: cute.Tensor,  # (tile_n / 2,) 32-bit registers
+        rP: cute.Tensor,  # the same registers, (tile_n,) 16-bit
+    ):
+        """One KV block of one row: returns the new (m_ref, l_sum)."""
+        cute.arch.mbarrier_wait(mbar + _S_FULL + tile, t % 2)
+        _tcgen05_fence_after_sync()
+        cute.copy(thr_ld, tSsrc, rS)
+        cute.arch.fence_view_async_tmem_load()
+        n = cute.size(rS)
+
+        if cutlass.const_expr(apply_mask):
+            # Key j is visible iff j < seqlen_k and (not causal or j <= query row).
+            limit = seqlen_k - n_block * self.tile_n
+            if cutlass.const_expr(self.causal):
+                limit = cutlass.min(limit, row_global + 1 - n_block * self.tile_n)
+            for i in cutlass.range_constexpr(n):
+                rS[i] = -Float32.inf if tScrd[i][1] >= limit else rS[i]
+
+        # Row max with 4 independent chains (the FMNMX latency dominates otherwise).
+        mx = [rS[j] for j in range(4)]
+        for i in cutlass.range_constexpr(4, n):
+            mx[i % 4] = cute.arch.fmax(mx[i % 4], rS[i])
+        blk_max = cute.arch.fmax(cute.arch.fmax(mx[0], mx[1]), cute.arch.fmax(mx[2], mx[3]))
+
+        # Lazy rescale (Note [Lazy rescale] in softmax.py): keep the stale
+        # reference unless the max grew by more than the threshold. A NaN test
+        # (both -inf) compares false and keeps the reference.
+        cand = cute.arch.fmax(m_ref, blk_max)
+        moved = (cand - m_ref) * c > self.tiles.rescale_threshold
+        new_ref = cand if moved else m_ref
+        new_ref_safe = Float32(0.0) if new_ref == -Float32.inf else new_ref
+        # exp2(-inf) = 0 when the old reference is -inf (nothing accumulated yet).
+        scale = cute.math.exp2((m_ref - new_ref_safe) * c, fastmath=True)
+        scale = scale if moved else Float32(1.0)
+        if t > 0:
+            # Block 0 needs no O scale (the first P V overwrites O).
+            row_scale[row, tile] = scale
+            cute.arch.mbarrier_arrive(mbar + _STATS + tile)
+
+        # P = exp2(s * c - ref * c): MUFU for most elements, the polynomial for
+        # the last sw_exp2_per_32 of every 32 (Note [Software exp2]).
+        neg_ref_c = -new_ref_safe * c
+        sw = self.tiles.sw_exp2_per_32
+        # Two packed partial sums: halves the dependent FADD2 chain.
+        sums = [(Float32(0.0), Float32(0.0)), (Float32(0.0), Float32(0.0))]
+        for chunk in cutlass.range_constexpr(n // _P_CHUNK):
+            lo = chunk * _P_CHUNK
+            for i in cutlass.range_constexpr(lo, lo + _P_CHUNK, 2):
+                x0, x1 = cute.arch.fma_packed_f32x2(
+                    (rS[i], rS[i + 1]), (Float32(c), Float32(c)), (neg_ref_c, neg_ref_c)
+                )
+                if cutlass.const_expr(i - lo >= _P_CHUNK - sw):
+                    p0, p1 = exp2_poly_x2(x0, x1)
+                else:
+                    p0 = cute.math.exp2(x0, fastmath=True)
+                    p1 = cute.math.exp2(x1, fastmath=True)
+                rS[i] = p0
+                rS[i + 1] = p1
+                acc = (i // 2) % 2
+                sums[acc] = cute.arch.add_packed_f32x2(sums[acc], (p0, p1))
+            # The finished chunk: to 16 bits (packed cvt), then to TMEM.
+            rP_chunk = cute.make_tensor(rP.iterator + lo, cute.make_layout(_P_CHUNK))
+            rS_chunk = cute.make_tensor(rS.iterator + lo, cute.make_layout(_P_CHUNK))
+            rP_chunk.store(rS_chunk.load().to(self.dtype))
+            cute.copy(thr_st, rP32[None, None, chunk], tPdst[None, None, chunk])
+        total = cute.arch.add_packed_f32x2(sums[0], sums[1])
+        l_new = l_sum * scale + (total[0] + total[1])
+
+        cute.arch.fence_view_async_tmem_store()
+        _tcgen05_fence_before_sync()
+        cute.arch.mbarrier_arrive(mbar + _P_READY + tile)
+        return new_ref, l_new
+
+    # ------------------------------------------------------------ correction
+    @cute.jit
+    def correction(
+        self,
+        tmem: cutlass.memory.TmemAllocator,
+        tmem_free_bar: pipeline.NamedBarrier,
+        tiled_mma_pv: cute.TiledMma,
+        row_scale: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        row_sum: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        row_max: cute.Tensor,  # (tile_m, 2) f32 SMEM
+        sO: cute.Tensor,  # (tile_m, Dv, 2) SMEM, aliases sQ
+        mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        mbar: cute.Pointer,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        n_blocks: Int32,
+    ):
+        """Correction warpgroup: thread r owns row r of both O tiles in TMEM.
+
+        Block t >= 1, tile i: read the row's O scale (stats[i]), wait until
+        O_i += P_i(t-1) V(t-1) finished (o_done[i]), rescale O_i's rows if any
+        row of the warp needs it, then release the MMA (p_ready[i]). The final
+        row sum and max come through separate SMEM slots and barrier (final[i])
+        because softmax writes them right after its last row scale, possibly
+        before this warp has read that scale.
+        """
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+        tidx = cute.arch.thread_idx()[0] % _WG
+        thr_pv = tiled_mma_pv.get_slice(0)
+        tOtO = cute.make_tensor(
+            tmem_ptr,
+            thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v))).layout,
+        )
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        # O is handled 32 columns at a time (32 registers in flight, 80 allowed).
+        chunk = _O_CHUNK
+        tOtO_c = cute.make_tensor(
+            tOtO.iterator, cute.composition(tOtO.layout, cute.make_layout((self.tile_m, chunk)))
+        )
+        tOcO_c = cute.make_tensor(
+            tOcO.iterator, cute.composition(tOcO.layout, cute.make_layout((self.tile_m, chunk)))
+        )
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32
+        )
+        st_atom = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(chunk)), Float32
+        )
+        thr_ld = tcgen05.make_tmem_copy(ld_atom, tOtO_c).get_slice(tidx)
+        thr_st = tcgen05.make_tmem_copy(st_atom, tOtO_c).get_slice(tidx)
+        tOsrc = thr_ld.partition_S(tOtO_c)
+        tOdst = thr_st.partition_D(tOtO_c)
+        tOcrd = thr_ld.partition_D(tOcO_c)  # (row, col) of every register
+        rO = cute.make_rmem_tensor(tOcrd.shape, Float32)
+        row = tOcrd[0][0]  # this thread's row of both O tiles (its TMEM lane)
+        n_chunks = self.head_dim_v // chunk
+        # Block 0: no O exists yet, nothing to rescale.
+        for tile in cutlass.range_constexpr(2):
+            _tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(mbar + _P_READY + tile)
+        for t in cutlass.range(1, n_blocks, unroll=1):
+            for tile in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_wait(mbar + _STATS + tile, (t - 1) % 2)
+                scale = row_scale[row, tile]
+                cute.arch.mbarrier_wait(mbar + _O_DONE + tile, (t - 1) % 2)
+                # One vote per warp: most blocks need no rescale at all.
+                if cute.arch.vote_ballot_sync(scale != 1.0) != 0:
+                    _tcgen05_fence_after_sync()
+                    for k in cutlass.range_constexpr(n_chunks):
+                        cute.copy(thr_ld, self._o_chunk(tOsrc, tile, k), rO)
+                        cute.arch.fence_view_async_tmem_load()  # rO valid from here
+                        for j in cutlass.range_constexpr(0, cute.size(rO), 2):
+                            rO[j], rO[j + 1] = cute.arch.mul_packed_f32x2(
+                                (rO[j], rO[j + 1]), (scale, scale)
+                            )
+                        cute.copy(thr_st, rO, self._o_chunk(tOdst, tile, k))
+                    cute.arch.fence_view_async_tmem_store()
+                _tcgen05_fence_before_sync()
+                cute.arch.mbarrier_arrive(mbar + _P_READY + tile)
+
+        # Final: O / row_sum in 16 bits into SMEM, LSE straight to global memory.
+        rOh = cute.make_rmem_tensor(tOcrd.shape, self.dtype)
+        for tile in cutlass.range_constexpr(2):
+            cute.arch.mbarrier_wait(mbar + _FINAL + tile, 0)
+            total = row_sum[row, tile]
+            m_ref = row_max[row, tile]
+            cute.arch.mbarrier_wait(mbar + _O_DONE + tile, (n_blocks - 1) % 2)
+            _tcgen05_fence_after_sync()
+            # A row without a visible key (sum 0) gets O = 0 and LSE = -inf.
+            empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
+            inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            sO_i = sO[None, None, tile]
+            for k in cutlass.range_constexpr(n_chunks):
+                cute.copy(thr_ld, self._o_chunk(tOsrc, tile, k), rO)
+                cute.arch.fence_view_async_tmem_load()
+                for j in cutlass.range_constexpr(0, cute.size(rO), 2):
+                    rO[j], rO[j + 1] = cute.arch.mul_packed_f32x2((rO[j], rO[j + 1]), (inv, inv))
+                rOh.store(rO.load().to(self.dtype))
+                # 16-byte vectors: 8 consecutive columns of a row stay contiguous
+                # under the 128-byte swizzle of sO.
+                sO_row = sO_i[row, None]
+                for g in cutlass.range_constexpr(chunk // 8):
+                    cute.autovec_copy(
+                        cute.make_tensor(rOh.iterator + 8 * g, cute.make_layout(8)),
+                        cute.local_tile(sO_row, (8,), (k * (chunk // 8) + g,)),
+                    )
+            row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
+            m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
+            log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
+            lse = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
+            if row_global < seqlen_q:
+                mLSE[row_global, head, batch] = lse
+            # Generic-proxy SMEM writes must be visible to the TMA store.
+            cute.arch.fence_view_async_shared()
+            cute.arch.mbarrier_arrive(mbar + _O_SMEM + tile)
+        cute.arch.fence_view_async_tmem_load()
+        _tcgen05_fence_before_sync()
+        tmem_free_bar.arrive()
+
+    def _o_chunk(self, tensor: cute.Tensor, tile: int, k: int) -> cute.Tensor:
+        """A (tile_m x 32)-column view of O_tile's TMEM, chunk k."""
+        return cute.make_tensor(tensor.iterator + self._o_col(tile) + k * _O_CHUNK, tensor.layout)
+
+    # -------------------------------------------------------------- epilogue
+    @cute.jit
+    def epilogue(
+        self,
+        mO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
+        sO: cute.Tensor,  # (tile_m, Dv, 2)
+        tma_atom_O: cute.CopyAtom,
+        mbar: cute.Pointer,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+    ):
+        """Epilogue warp: one TMA store per O tile; TMA clips rows past seqlen_q."""
+        gO = cute.local_tile(
+            mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0)
+        )  # (tile_m, Dv, m tiles)
+        tOsO, tOgO = cpasync.tma_partition(
+            tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+            cute.group_modes(gO, 0, 2),
+        )  # fmt: skip
+        for tile in cutlass.range_constexpr(2):
+            cute.arch.mbarrier_wait(mbar + _O_SMEM + tile, 0)
+            cute.copy(tma_atom_O, tOsO[None, tile], tOgO[None, 2 * m_block + tile])
+            cute.arch.cp_async_bulk_commit_group()
+        # SMEM must outlive the TMA engine's reads of it.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
