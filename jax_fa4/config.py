@@ -20,10 +20,12 @@ IMPLEMENTATIONS = (None, "cute", "reference")
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = {
     "sm_90a": ((64, 64), (128, 128)),
+    # Compiled, not run on hardware: no Blackwell GPU has been available.
+    "sm_100a": ((64, 64), (128, 128)),
 }
 
 # Environment override of the kernel architecture, for lowering on a machine
-# without a GPU (CI cross-compiles) or to force one target: "sm_90a".
+# without a GPU (CI cross-compiles) or to force one target: "sm_90a" / "sm_100a".
 ARCH_ENV = "JAX_FA4_ARCH"
 DEFAULT_CROSS_ARCH = "sm_90a"
 

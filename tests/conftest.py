@@ -20,7 +20,7 @@ os.environ["JAX_FA4_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_fa4_test_cache_")
 
 
 def _suitable_gpu() -> str | None:
-    """None if an sm_90a GPU and the CuTe DSL are here, else why not."""
+    """None if a GPU with jax_fa4 kernels (sm_90a; sm_100a) and the CuTe DSL are here."""
     try:
         devices = jax.devices("cuda")
     except RuntimeError:
@@ -28,8 +28,8 @@ def _suitable_gpu() -> str | None:
     if not devices:
         return "no CUDA device"
     cc = getattr(devices[0], "compute_capability", None)
-    if str(cc) != "9.0":
-        return f"GPU compute capability {cc} is not 9.0 (sm_90a)"
+    if str(cc) not in ("9.0", "10.0"):
+        return f"GPU compute capability {cc} has no jax_fa4 kernels (9.0, 10.0)"
     from jax_fa4.ffi import cutlass_available
 
     return cutlass_available()
@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
     why = _suitable_gpu()
     if why is None:
         return
-    skip = pytest.mark.skip(reason=f"needs an sm_90a GPU: {why}")
+    skip = pytest.mark.skip(reason=f"needs an sm_90a/sm_100a GPU: {why}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,6 +1,7 @@
 """The CUDA path builds on a machine without a GPU: lowering for platform cuda
-cross-compiles the sm_90a kernels (forward and the three backward kernels) and
-emits custom calls that read and write the [B, S, H, D] layout directly."""
+cross-compiles the kernels (forward and the three backward kernels) for sm_90a
+and for sm_100a (compiled, not run on hardware) and emits custom calls that read
+and write the [B, S, H, D] layout directly."""
 
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def _structs(b, sq, sk, hq, hkv, d, dtype):
     )
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_forward_and_backward_lower_for_cuda(monkeypatch, d, causal, dtype):
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+def test_forward_and_backward_lower_for_cuda(monkeypatch, arch, d, causal, dtype):
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
 
     def loss(q, k, v):
         out, lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True, implementation="cute")
@@ -80,13 +82,27 @@ def _cubin_sm_versions(hlo_text: str) -> list[int]:
     return sms
 
 
-def test_module_is_sm90a_code(monkeypatch):
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+@pytest.mark.parametrize("arch,sm", [("sm_90a", 90), ("sm_100a", 100)])
+def test_module_carries_code_for_the_target(monkeypatch, arch, sm):
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
     txt = _lower(
         lambda q, k, v: jax_fa4.attention(q, k, v, scale=0.3, implementation="cute"),
         *_structs(1, 64, 64, 1, 1, 128, jnp.bfloat16),
     )
-    assert _cubin_sm_versions(txt) == [90]
+    assert _cubin_sm_versions(txt) == [sm]
+
+
+def test_dispatch_by_compute_capability(monkeypatch):
+    from jax_fa4.config import arch_from_compute_capability, target_arch
+
+    assert arch_from_compute_capability("9.0") == "sm_90a"
+    assert arch_from_compute_capability("10.0") == "sm_100a"
+    assert arch_from_compute_capability("8.0") is None
+    assert arch_from_compute_capability("12.0") is None
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
+    assert target_arch()[0] == "sm_100a"
+    monkeypatch.delenv("JAX_FA4_ARCH")
+    assert target_arch()[0] == "sm_90a"  # no GPU here: the cross-compile default
 
 
 def test_unsupported_arch_env_falls_back_or_raises(monkeypatch):

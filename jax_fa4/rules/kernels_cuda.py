@@ -38,14 +38,14 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
 
 
 def _fwd_kernel(key: KernelKey):
-    import cutlass
-
-    dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
+    dtype = _cutlass_dtype(key.dtype)
     if key.arch == "sm_90a":
-        from jax_fa4.kernels.sm90_fwd import FlashFwdSm90
-
-        return FlashFwdSm90(dtype, key.head_dim, key.head_dim_v, key.causal, key.scale)
-    raise NotImplementedError(f"no forward kernel for {key.arch}")
+        from jax_fa4.kernels.sm90_fwd import FlashFwdSm90 as Kernel
+    elif key.arch == "sm_100a":  # compiled, not run on hardware
+        from jax_fa4.kernels.sm100_fwd import FlashFwdSm100 as Kernel
+    else:
+        raise NotImplementedError(f"no forward kernel for {key.arch}")
+    return Kernel(dtype, key.head_dim, key.head_dim_v, key.causal, key.scale)
 
 
 def forward(q, k, v, *, config: AttentionConfig, arch: str):
@@ -81,12 +81,12 @@ def _pre_kernel(key: KernelKey):
 
 def _bwd_kernel(key: KernelKey):
     if key.arch == "sm_90a":
-        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
-
-        return FlashBwdSm90(
-            _cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale
-        )
-    raise NotImplementedError(f"no backward kernel for {key.arch}")
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
+    elif key.arch == "sm_100a":  # compiled, not run on hardware
+        from jax_fa4.kernels.sm100_bwd import FlashBwdSm100 as Kernel
+    else:
+        raise NotImplementedError(f"no backward kernel for {key.arch}")
+    return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale)
 
 
 def _post_kernel(key: KernelKey):

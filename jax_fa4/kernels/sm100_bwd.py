@@ -1,0 +1,929 @@
+"""Blackwell (sm_100a) backward attention main kernel: dK, dV and the fp32 dQ accumulator.
+
+Status: compiled (cross-compiled for sm_100a on a CPU machine, PTX and SASS read),
+never run on Blackwell hardware.
+
+One CTA owns one key/value block (`tile_n` keys) of one kv head of one batch
+entry and walks every query block of every query head of its GQA group, so dK
+and dV accumulate in tensor memory over the whole walk (deterministic, no dK/dV
+atomics). dQ partials (sum over this CTA's keys of dS K) are reduce-added into the
+fp32 accumulator by TMA, unscaled (docs/design.md).
+
+The scores are computed transposed, S^T = K Q^T and dP^T = V dO^T, so that the
+key block is the MMA's M dimension: each TMEM lane is one key, which is the row
+dV = P^T dO and dK = dS^T Q accumulate into.
+
+Warp roles (16 warps, 512 threads):
+  warps 0-3    dQ reduce: dQ (TMEM) -> registers -> SMEM -> TMA reduce-add
+  warps 4-11   compute: P = exp2(S * scale * log2(e) - LSElog2) and
+               dS = P * (dP - Dpsum), written to SMEM as 16-bit MMA operands;
+               after the walk, the dK / dV epilogue (TMEM -> global)
+  warp 12      MMA: allocates TMEM, issues every tcgen05.mma, frees TMEM
+  warp 13      load: K, V once (TMA); Q, dO (TMA) and LSElog2, Dpsum per query block
+  warps 14-15  idle (they only exist so that setmaxnreg sees whole warpgroups)
+
+Per query block (one work item) the MMA warp issues
+  S^T  = K Q^T           -> TMEM (tile_n x tile_m fp32)
+  dP^T = V dO^T          -> TMEM
+  dV  += P^T dO          A = P^T from SMEM, accumulated in TMEM
+  dK  += dS^T Q          A = dS^T from SMEM, accumulated in TMEM
+  dQ   = dS K            A = dS (the same SMEM tile read MN-major) -> TMEM
+so the compute warps compute P while dP^T runs and dS while dV runs. With two
+Q/dO stages (hdim 64) the next item's S^T is issued between dV and dK, so it
+also runs while the compute warps work on dS. All MMA operands come from SMEM
+(P^T too: FA4 keeps P in TMEM as the A operand, which needs hand-built
+instruction descriptors), and the roles hand buffers to each other only through mbarrier pipelines:
+  load -> MMA     kv, qdo (TMA transaction counts)
+  load -> compute lse (LSElog2 / Dpsum rows, written with plain stores)
+  MMA -> compute  s, dp (tcgen05.commit), dkv (once, after the walk)
+  compute -> MMA  p, ds (SMEM operands written, proxy-fenced)
+  MMA -> reduce   dq (tcgen05.commit), reduce -> MMA: dq released
+The "empty" side of each pipeline is what makes buffer reuse safe: the MMA warp
+acquires s / dp / dq before it overwrites those TMEM columns, the compute warps
+acquire p / ds (released by tcgen05.commit once the MMAs reading them are done)
+before they overwrite sP / sdS.
+
+Note [Tails and masking]: TMA zero-fills Q/dO rows past seqlen_q and K/V rows
+past seqlen_k. Query rows past seqlen_q get LSElog2 = +inf (the load warp
+stores -LSElog2 = -inf, the addend of P's exponent), so P = exp2(-inf) = 0
+there and with it dS = 0: they add exact zeros to dV, dK and to the padding rows
+of dQaccum (Sq_pad rows make every 128-row tile reduce in bounds). Keys past
+seqlen_k and, when causal, query columns m < n of a key row n, are set to P = 0
+explicitly with a select (so dS = 0 too, even where exp2 overflowed); their
+dK/dV rows are not stored. A CTA whose keys see no query at all (causal,
+n_block * tile_n >= seqlen_q) still writes dK = dV = 0 for its keys.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
+
+log = logging.getLogger(__name__)
+
+LOG2_E = math.log2(math.e)
+
+# Warp roles.
+_COMPUTE_WARP0 = 4  # warps 4-11
+_MMA_WARP = 12
+_LOAD_WARP = 13
+_NUM_WARPS = 16
+
+# Named hardware barriers (0 is __syncthreads).
+_BAR_TMEM = 1  # MMA + compute + reduce warps: TMEM address published / TMEM may be freed
+_BAR_REDUCE = 2  # the four dQ reduce warps: the SMEM staging tile is free / written
+
+_TMEM_COLS = 512  # the whole tensor memory: one CTA per SM
+_SMEM_BYTES = 232448  # opt-in dynamic shared memory per block on sm_100
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    """Tuning knobs of the sm100 backward kernel (one row of the table below)."""
+
+    tile_m: int  # query rows per block (the N of S^T, the M of dQ)
+    tile_n: int  # key rows per CTA (the M of S^T, dV, dK)
+    stages_qdo: int  # Q/dO (and LSElog2/Dpsum) SMEM pipeline depth
+    dq_cols: int  # dQ columns per TMEM load / SMEM staging tile / TMA reduce
+    dq_stages: int  # SMEM staging tiles for the dQ reduce (double buffering)
+    regs_compute: int  # setmaxnreg of the two compute warpgroups
+    regs_reduce: int  # setmaxnreg of the dQ reduce warpgroup
+    regs_other: int  # setmaxnreg of the MMA / load / idle warpgroup
+
+
+def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
+    """The tile table, keyed by head dim (FA4's 1-CTA sm100 choices, adapted).
+
+    SMEM per stage of Q + dO is 32 KB at hdim 64 and 64 KB at hdim 128; with K, V,
+    P, dS (32 KB each at hdim 128) and 32 KB of dQ staging only one stage fits
+    at hdim 128 under the 227 KB limit. The register split sums to at most 512
+    per thread slot over the four warpgroups (compute x 2 + reduce + MMA/load).
+    """
+    del causal  # same tiles; causal skips blocks instead
+    if head_dim <= 64:
+        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=2, dq_cols=32, dq_stages=2,
+                        regs_compute=168, regs_reduce=96, regs_other=80)
+    if head_dim <= 128:
+        # The MMA warp keeps 8 K-steps of 64-bit SMEM descriptors per GEMM live.
+        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
+                        regs_compute=160, regs_reduce=64, regs_other=120)
+    raise ValueError(f"sm100 backward supports head_dim 64 and 128, got {head_dim}")
+
+
+def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _as_view(t: cute.Tensor, layout) -> cute.Tensor:
+    """The same SMEM bytes seen through another MMA operand layout (same swizzle)."""
+    return cute.make_tensor(cute.recast_ptr(t.iterator, layout.inner, dtype=t.element_type),
+                            layout.outer)
+
+
+def _rows_cols(t: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """View a K-major MMA A operand in SMEM, ((rows, k_atom), 1, cols / k_atom), as a
+    plain (rows, cols) tensor: row r, column c of the operand."""
+    k_atom = cute.size(t.shape[0][1])
+    assert cute.size(t.shape[0][0]) == rows and cute.size(t, mode=[1]) == 1
+    flat = cute.make_layout((rows, (k_atom, cols // k_atom)),
+                            stride=(1, (rows, rows * k_atom)))
+    return cute.composition(t, flat)
+
+
+@cute.jit
+def _umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          accumulate):
+    """Issue one tcgen05 GEMM over the whole K extent of the operands (one thread
+    issues, the warp calls it uniformly). `accumulate` may be a runtime Boolean."""
+    # A fresh atom per call: its ACCUMULATE field is mutated below, and a mutation
+    # of the shared tiled MMA inside the runtime loop would escape the loop body.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        if const_expr(k == 0):
+            atom.set(tcgen05.Field.ACCUMULATE, accumulate)
+        else:
+            atom.set(tcgen05.Field.ACCUMULATE, True)
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+
+
+class FlashBwdSm100:
+    """Backward main kernel for sm_100a; see the module docstring and docs/design.md.
+
+    Compiled for sm_100a, not run on hardware.
+
+    Args:
+      dtype: cutlass.BFloat16 or cutlass.Float16 (Q, K, V, dO, dK, dV).
+      head_dim, head_dim_v: 64 or 128, equal.
+      causal: top-left causal mask (query i sees key j <= i).
+      softmax_scale: scale applied to Q K^T.
+      tiles: override of the tile table row (tests only).
+    """
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int | None = None,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        tiles: BwdTiles | None = None,
+    ):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise TypeError(f"sm100 backward needs bf16 or fp16, got {dtype}")
+        if head_dim != head_dim_v or head_dim not in (64, 128):
+            raise ValueError(f"sm100 backward needs head_dim == head_dim_v in (64, 128), "
+                             f"got {head_dim}, {head_dim_v}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.softmax_scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
+                              else float(softmax_scale))
+        self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
+        t = self.tiles
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        # One TMEM lane per key / per query row, two compute warpgroups split the
+        # tile_m columns of S^T and dP^T, and the dK/dV columns in the epilogue.
+        assert self.tile_m == 128 and self.tile_n == 128
+        assert head_dim % t.dq_cols == 0 and (head_dim // t.dq_cols) % t.dq_stages == 0
+        assert (head_dim // 2) % 32 == 0
+        assert 2 * t.regs_compute + t.regs_reduce + t.regs_other <= 512
+        self.num_threads = 32 * _NUM_WARPS
+
+        # TMEM map (fp32 columns): S^T, dP^T, dV, dK and dQ. At hdim 128 they need
+        # 640 columns, so dQ shares dP^T's: dQ is issued only after the compute
+        # warps have read dP^T (the ds pipeline), and the next dP^T only after the
+        # reduce warps have read dQ (the dq pipeline).
+        d, dv = head_dim, head_dim_v
+        self.tmem_s = 0
+        self.tmem_dp = self.tmem_s + self.tile_m
+        self.tmem_dv = self.tmem_dp + self.tile_m
+        self.tmem_dk = self.tmem_dv + dv
+        self.dq_aliases_dp = self.tmem_dk + d + d > _TMEM_COLS
+        self.tmem_dq = self.tmem_dp if self.dq_aliases_dp else self.tmem_dk + d
+        assert max(self.tmem_dk + d, self.tmem_dq + d) <= _TMEM_COLS
+        log.debug("FlashBwdSm100 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
+
+    # ------------------------------------------------------------------ host side
+    def _tiled_mmas(self):
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        one = tcgen05.CtaGroup.ONE
+        dt, tm, tn = self.dtype, self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        # S^T = K Q^T: A = K (tn x d), B = Q (tm x d), both K-major.
+        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, one, (tn, tm))
+        # dP^T = V dO^T: A = V (tn x dv), B = dO (tm x dv).
+        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, one, (tn, tm))
+        # dV += P^T dO: A = P^T (tn x tm) K-major, B = dO as (dv x tm), MN-major.
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, dv))
+        # dK += dS^T Q: A = dS^T (tn x tm) K-major, B = Q as (d x tm), MN-major.
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, d))
+        # dQ = dS K: A = dS (tm x tn) MN-major (the dS^T tile), B = K as (d x tn), MN-major.
+        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, one, (tm, d))
+        tilers = {
+            "s": (tn, tm, d), "dp": (tn, tm, dv), "dv": (tn, dv, tm),
+            "dk": (tn, d, tm), "dq": (tm, d, tn),
+        }
+        return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), tilers
+
+    @cute.jit
+    def __call__(
+        self,
+        stream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32, LSE * log2(e)
+        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32, rowsum(dO * O) - dLSE
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
+        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+    ):
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                           == mdO.element_type == mdK.element_type == mdV.element_type
+                           == self.dtype)):
+            raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
+        if const_expr(not (mLSElog2.element_type == mDpsum.element_type
+                           == mdQaccum.element_type == Float32)):
+            raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
+        dt = self.dtype
+        tm, tn = self.tile_m, self.tile_n
+        st = self.tiles.stages_qdo
+        dq_cols, dq_stages = self.tiles.dq_cols, self.tiles.dq_stages
+
+        # (S, D, H, B) views: sequence and head dim first, as the TMA tiles see them.
+        mQ, mK, mV, mdO, mdK, mdV = [_permute(t, [1, 3, 2, 0])
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mdQaccum = _permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
+
+        (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), tl = self._tiled_mmas()
+
+        # SMEM operand layouts. Each buffer is written once (TMA or the compute
+        # warps) and read by two MMAs in different majorness: the K-major and
+        # MN-major 128B-swizzled layouts of the same tile put every element at the
+        # same byte, so the second reader gets a re-typed view of the same bytes.
+        sK_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_s, tl["s"], dt, 1),
+                                (None, None, None, 0))
+        sKt_layout = cute.slice_(sm100_utils.make_smem_layout_b(mma_dq, tl["dq"], dt, 1),
+                                 (None, None, None, 0))
+        sV_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dp, tl["dp"], dt, 1),
+                                (None, None, None, 0))
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_s, tl["s"], dt, st)
+        sQt_layout = sm100_utils.make_smem_layout_b(mma_dk, tl["dk"], dt, st)
+        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, tl["dp"], dt, st)
+        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tl["dv"], dt, st)
+        sPt_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dv, tl["dv"], dt, 1),
+                                 (None, None, None, 0))
+        sdSt_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dk, tl["dk"], dt, 1),
+                                  (None, None, None, 0))
+        sdS_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dq, tl["dq"], dt, 1),
+                                 (None, None, None, 0))
+        # dQ staging: (tm, dq_cols) fp32 row-major tiles, 128B swizzle for the TMA.
+        dq_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, Float32,
+                                            dq_cols), Float32)
+        sdQ_layout = cute.tile_to_shape(dq_atom, (tm, dq_cols, dq_stages), order=(0, 1, 2))
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        tma_K, gmem_K = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mK, sK_layout, tl["s"], mma_s)
+        tma_Q, gmem_Q = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), tl["s"], mma_s)
+        tma_V, gmem_V = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mV, sV_layout, tl["dp"], mma_dp)
+        tma_dO, gmem_dO = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1, 2]), tl["dp"], mma_dp)
+        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+            cute.select(sdQ_layout, mode=[0, 1]), (tm, dq_cols))
+
+        bytes_qdo = (cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1, 2]))
+                     + cute.size_in_bytes(dt, cute.select(sdO_layout, mode=[0, 1, 2])))
+        bytes_kv = cute.size_in_bytes(dt, sK_layout) + cute.size_in_bytes(dt, sV_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            mbar_lse: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_dp: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_ds: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_dq: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_dkv: cute.struct.MemRange[cutlass.Int64, 2]
+            tmem_addr: Int32
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 16]
+            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 16]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sPt_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdSt_layout)], 1024]
+            sdQ: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        if const_expr(SharedStorage.size_in_bytes() > _SMEM_BYTES):
+            raise ValueError(f"sm100 backward needs {SharedStorage.size_in_bytes()} bytes of "
+                             f"shared memory, more than {_SMEM_BYTES}: fewer stages")
+        num_n_blocks = cute.ceil_div(mK.shape[0], tn)
+        grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        self.kernel(
+            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mLSElog2, mDpsum, mdK, mdV,
+            tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
+            sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sK_layout, sKt_layout,
+            sV_layout, sPt_layout, sdSt_layout, sdS_layout, sdQ_layout,
+            mma_s, mma_dp, mma_dv, mma_dk, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA view (Sq, D, Hq, B)
+        mK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
+        mV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
+        mdO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
+        mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
+        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
+        mdK: cute.Tensor,  # (Sk, D, Hkv, B)
+        mdV: cute.Tensor,  # (Sk, Dv, Hkv, B)
+        tma_Q: cute.CopyAtom,
+        tma_K: cute.CopyAtom,
+        tma_V: cute.CopyAtom,
+        tma_dO: cute.CopyAtom,
+        tma_dQ: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sQt_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sdOt_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sKt_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sPt_layout: cute.ComposedLayout,
+        sdSt_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
+        mma_s: cute.TiledMma,
+        mma_dp: cute.TiledMma,
+        mma_dv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        bytes_qdo: cutlass.Constexpr[int],
+        bytes_kv: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tm, tn = self.tile_m, self.tile_n
+        st = self.tiles.stages_qdo
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+
+        if warp_idx == _LOAD_WARP:
+            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_dQ):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+
+        def group(n: int):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        n_compute = 32 * 8
+        n_reduce = 32 * 4
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+            producer_group=group(1), consumer_group=group(1), tx_count=bytes_kv,
+            defer_sync=True)
+        pipe_qdo = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=st,
+            producer_group=group(1), consumer_group=group(1), tx_count=bytes_qdo,
+            defer_sync=True)
+        # LSElog2 / Dpsum rows: every load-warp lane stores then arrives.
+        pipe_lse = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_lse.data_ptr(), num_stages=st,
+            producer_group=group(32), consumer_group=group(n_compute), defer_sync=True)
+        pipe_s = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mbar_s.data_ptr(), num_stages=1,
+            producer_group=group(1), consumer_group=group(n_compute), defer_sync=True)
+        pipe_dp = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mbar_dp.data_ptr(), num_stages=1,
+            producer_group=group(1), consumer_group=group(n_compute), defer_sync=True)
+        pipe_p = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.mbar_p.data_ptr(), num_stages=1,
+            producer_group=group(n_compute), consumer_group=group(1), defer_sync=True)
+        pipe_ds = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.mbar_ds.data_ptr(), num_stages=1,
+            producer_group=group(n_compute), consumer_group=group(1), defer_sync=True)
+        pipe_dq = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mbar_dq.data_ptr(), num_stages=1,
+            producer_group=group(1), consumer_group=group(n_reduce), defer_sync=True)
+        # Last one: initialises its barriers and syncs the CTA so every mbarrier
+        # above is visible before any role starts.
+        pipe_dkv = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mbar_dkv.data_ptr(), num_stages=1,
+            producer_group=group(1), consumer_group=group(n_compute), defer_sync=False)
+
+        tmem_bar = pipeline.NamedBarrier(barrier_id=_BAR_TMEM,
+                                         num_threads=32 + n_compute + n_reduce)
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_addr.ptr, barrier_for_retrieve=tmem_bar,
+            allocator_warp_id=_MMA_WARP)
+
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sPt = storage.sP.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
+        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, st)))
+        sDpsum = storage.sDpsum.get_tensor(cute.make_layout((tm, st)))
+
+        # The work list of this CTA: every (q head of the group, query block) pair
+        # that can see at least one of its keys.
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        group_size = mQ.shape[2] // mK.shape[2]
+        m_block_max = cute.ceil_div(seqlen_q, tm)
+        m_block_min = Int32(0)
+        if const_expr(self.causal):
+            m_block_min = cutlass.min(n_block * tn // tm, m_block_max)
+        num_m = m_block_max - m_block_min
+        num_iters = num_m * group_size
+
+        if warp_idx >= _MMA_WARP:
+            cute.arch.setmaxregister_decrease(self.tiles.regs_other)
+            if warp_idx == _LOAD_WARP:
+                self.load(mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+                          tma_Q, tma_K, tma_V, tma_dO, mma_s, mma_dp,
+                          pipe_kv, pipe_qdo, pipe_lse, n_block, head_kv, batch, group_size,
+                          seqlen_q, m_block_min, num_m, num_iters)
+            if warp_idx == _MMA_WARP:
+                tmem.allocate(_TMEM_COLS)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                sQt = _as_view(sQ, sQt_layout)
+                sdOt = _as_view(sdO, sdOt_layout)
+                sKt = _as_view(sK, sKt_layout)
+                sdS = _as_view(sdSt, sdS_layout)
+                self.mma(mma_s, mma_dp, mma_dv, mma_dk, mma_dq, sQ, sQt, sK, sKt, sV, sdO,
+                         sdOt, sPt, sdSt, sdS, tmem_ptr, pipe_kv, pipe_qdo, pipe_s, pipe_dp,
+                         pipe_p, pipe_ds, pipe_dq, pipe_dkv, num_iters)
+                # Every TMEM reader has arrived on tmem_bar once it is done.
+                tmem.relinquish_alloc_permit()
+                tmem_bar.arrive_and_wait()
+                tmem.free(tmem_ptr)
+        elif warp_idx >= _COMPUTE_WARP0:
+            cute.arch.setmaxregister_increase(self.tiles.regs_compute)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.compute(mma_s, mma_dp, mma_dv, mma_dk, mdK, mdV, sPt, sdSt, sLSE, sDpsum,
+                         tmem_ptr, pipe_lse, pipe_s, pipe_dp, pipe_p, pipe_ds, pipe_dkv,
+                         tidx - 32 * _COMPUTE_WARP0, n_block, head_kv, batch, seqlen_k,
+                         m_block_min, num_m, num_iters)
+            tmem_bar.arrive()
+        else:
+            cute.arch.setmaxregister_decrease(self.tiles.regs_reduce)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.reduce_dq(mma_dq, mdQaccum, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
+                           head_kv, batch, group_size, m_block_min, num_m, num_iters)
+            tmem_bar.arrive()
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+             tma_Q, tma_K, tma_V, tma_dO, mma_s, mma_dp, pipe_kv, pipe_qdo, pipe_lse,
+             n_block, head_kv, batch, group_size, seqlen_q, m_block_min, num_m, num_iters):
+        """Warp 13: K and V of this block once, then per work item Q, dO (TMA) and
+        the LSElog2 / Dpsum rows (plain loads: their rows are not 16-byte aligned
+        for odd seqlen_q, which TMA would need)."""
+        tm, tn = self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        lane = cute.arch.lane_idx()
+        thr_s = mma_s.get_slice(0)
+        thr_dp = mma_dp.get_slice(0)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+            cute.group_modes(thr_s.partition_A(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+            cute.group_modes(thr_dp.partition_A(gV), 0, 3))
+        if num_iters > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            bar = pipe_kv.producer_get_barrier(kv_state)
+            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=bar)
+            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=bar)
+
+        st = self.tiles.stages_qdo
+        qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, st)
+        lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, st)
+        for it in cutlass.range(num_iters, unroll=1):
+            h_off = it // num_m
+            m_block = m_block_min + it - h_off * num_m
+            head_q = head_kv * group_size + h_off
+            gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                cute.group_modes(thr_s.partition_B(gQ), 0, 3))
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 3),
+                cute.group_modes(thr_dp.partition_B(gdO), 0, 3))
+            pipe_qdo.producer_acquire(qdo_state)
+            bar = pipe_qdo.producer_get_barrier(qdo_state)
+            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, qdo_state.index], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, qdo_state.index],
+                      tma_bar_ptr=bar)
+            qdo_state.advance()
+
+            # sLSE holds -LSElog2 (the FMA addend of P's exponent); rows past
+            # seqlen_q get -inf, which makes P (and dS) exactly zero there.
+            pipe_lse.producer_acquire(lse_state)
+            for j in cutlass.range_constexpr(tm // 32):
+                r = j * 32 + lane
+                row = m_block * tm + r
+                neg_lse = -Float32.inf
+                dpsum = Float32(0.0)
+                if row < seqlen_q:
+                    neg_lse = -mLSElog2[batch, head_q, row]
+                    dpsum = mDpsum[batch, head_q, row]
+                sLSE[r, lse_state.index] = neg_lse
+                sDpsum[r, lse_state.index] = dpsum
+            pipe_lse.producer_commit(lse_state)
+            lse_state.advance()
+
+    # ------------------------------------------------------------------- MMA warp
+    @cute.jit
+    def mma(self, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, sQ, sQt, sK, sKt, sV, sdO, sdOt,
+            sPt, sdSt, sdS, tmem_ptr, pipe_kv, pipe_qdo, pipe_s, pipe_dp, pipe_p, pipe_ds,
+            pipe_dq, pipe_dkv, num_iters):
+        """Warp 12: every tcgen05.mma of the walk, in an order that lets the compute
+        warps work on P while dP^T runs and on dS while dV runs."""
+        tm, tn = self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        tSrK = mma_s.make_fragment_A(sK)
+        tSrQ = mma_s.make_fragment_B(sQ)
+        tdPrV = mma_dp.make_fragment_A(sV)
+        tdPrdO = mma_dp.make_fragment_B(sdO)
+        tdVrP = mma_dv.make_fragment_A(sPt)
+        tdVrdO = mma_dv.make_fragment_B(sdOt)
+        tdKrdS = mma_dk.make_fragment_A(sdSt)
+        tdKrQ = mma_dk.make_fragment_B(sQt)
+        tdQrdS = mma_dq.make_fragment_A(sdS)
+        tdQrK = mma_dq.make_fragment_B(sKt)
+        tS = self._tmem_acc(mma_s, tmem_ptr, self.tmem_s, (tn, tm))
+        tdP = self._tmem_acc(mma_dp, tmem_ptr, self.tmem_dp, (tn, tm))
+        tdV = self._tmem_acc(mma_dv, tmem_ptr, self.tmem_dv, (tn, dv))
+        tdK = self._tmem_acc(mma_dk, tmem_ptr, self.tmem_dk, (tn, d))
+        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, (tm, d))
+
+        Consumer = pipeline.PipelineUserType.Consumer
+        Producer = pipeline.PipelineUserType.Producer
+        qdo_state = pipeline.make_pipeline_state(Consumer, self.tiles.stages_qdo)
+        s_state = pipeline.make_pipeline_state(Producer, 1)
+        dp_state = pipeline.make_pipeline_state(Producer, 1)
+        dq_state = pipeline.make_pipeline_state(Producer, 1)
+        p_state = pipeline.make_pipeline_state(Consumer, 1)
+        ds_state = pipeline.make_pipeline_state(Consumer, 1)
+        # With two Q/dO stages, S^T of the next item is issued before dK / dQ of
+        # this one, so it runs while the compute warps work on dS and the compute
+        # warps find it ready. qdo_next is the item whose S^T is issued next;
+        # qdo_state the item whose remaining GEMMs run. (With one stage the next
+        # Q cannot arrive before this item's dK has released the stage.)
+        lookahead = self.tiles.stages_qdo >= 2
+        qdo_next = pipeline.make_pipeline_state(Consumer, self.tiles.stages_qdo)
+        if num_iters > 0:
+            pipe_kv.consumer_wait(pipeline.make_pipeline_state(Consumer, 1))
+        if const_expr(lookahead):
+            if num_iters > 0:
+                pipe_qdo.consumer_wait(qdo_next)
+                pipe_s.producer_acquire(s_state)
+                _umma(mma_s, tS, tSrK, tSrQ[None, None, None, qdo_next.index], False)
+                pipe_s.producer_commit(s_state)
+            # Advanced unconditionally: a state advanced past the last item is never used.
+            qdo_next.advance()
+            s_state.advance()
+
+        for it in cutlass.range(num_iters, unroll=1):
+            accumulate = it > 0
+            if const_expr(not lookahead):
+                pipe_qdo.consumer_wait(qdo_state)
+                # S^T: the compute warps have read the previous S^T (s released).
+                pipe_s.producer_acquire(s_state)
+                _umma(mma_s, tS, tSrK, tSrQ[None, None, None, qdo_state.index], False)
+                pipe_s.producer_commit(s_state)
+                s_state.advance()
+            stage = qdo_state.index
+            # dP^T: previous dP^T read (dp released) and, when dQ shares its
+            # columns, the previous dQ read by the reduce warps.
+            pipe_dp.producer_acquire(dp_state)
+            if const_expr(self.dq_aliases_dp):
+                pipe_dq.producer_acquire(dq_state)
+            _umma(mma_dp, tdP, tdPrV, tdPrdO[None, None, None, stage], False)
+            pipe_dp.producer_commit(dp_state)
+            dp_state.advance()
+            # dV += P^T dO once P^T is in SMEM; releasing p (a tcgen05.commit)
+            # tells the compute warps when sP may be overwritten.
+            pipe_p.consumer_wait(p_state)
+            _umma(mma_dv, tdV, tdVrP, tdVrdO[None, None, None, stage], accumulate)
+            pipe_p.consumer_release(p_state)
+            p_state.advance()
+            if const_expr(lookahead):
+                # The compute warps released S^T before they wrote P (waited above).
+                if it + 1 < num_iters:
+                    pipe_qdo.consumer_wait(qdo_next)
+                    pipe_s.producer_acquire(s_state)
+                    _umma(mma_s, tS, tSrK, tSrQ[None, None, None, qdo_next.index], False)
+                    pipe_s.producer_commit(s_state)
+                qdo_next.advance()
+                s_state.advance()
+            # dK += dS^T Q and dQ = dS K once dS is in SMEM.
+            pipe_ds.consumer_wait(ds_state)
+            _umma(mma_dk, tdK, tdKrdS, tdKrQ[None, None, None, stage], accumulate)
+            if const_expr(not self.dq_aliases_dp):
+                pipe_dq.producer_acquire(dq_state)
+            _umma(mma_dq, tdQ, tdQrdS, tdQrK, False)
+            pipe_dq.producer_commit(dq_state)
+            dq_state.advance()
+            pipe_ds.consumer_release(ds_state)
+            ds_state.advance()
+            pipe_qdo.consumer_release(qdo_state)
+            qdo_state.advance()
+        if num_iters > 0:
+            pipe_dkv.producer_commit(pipeline.make_pipeline_state(Producer, 1))
+
+    @cute.jit
+    def _tmem_acc(self, tiled_mma, tmem_ptr, col: cutlass.Constexpr[int], shape_mn):
+        """The fp32 accumulator of `tiled_mma` at TMEM column `col`."""
+        thr = tiled_mma.get_slice(0)
+        frag = thr.make_fragment_C(thr.partition_shape_C(shape_mn))
+        return cute.make_tensor(tmem_ptr + col, frag.layout)
+
+    # -------------------------------------------------------------- compute warps
+    @cute.jit
+    def compute(self, mma_s, mma_dp, mma_dv, mma_dk, mdK, mdV, sPt, sdSt, sLSE, sDpsum,
+                tmem_ptr, pipe_lse, pipe_s, pipe_dp, pipe_p, pipe_ds, pipe_dkv, tidx,
+                n_block, head_kv, batch, seqlen_k, m_block_min, num_m, num_iters):
+        """Warps 4-11: P and dS per work item, then the dK / dV epilogue.
+
+        Thread t owns TMEM lane t % 128, i.e. key row n = t % 128 of S^T and dP^T,
+        and warpgroup g = t // 128 owns query columns [64 g, 64 g + 64)."""
+        tm, tn = self.tile_m, self.tile_n
+        half = tm // 2
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        scale_log2 = self.softmax_scale * LOG2_E
+
+        tS = self._tmem_acc(mma_s, tmem_ptr, self.tmem_s, (tn, tm))
+        tdP = self._tmem_acc(mma_dp, tmem_ptr, self.tmem_dp, (tn, tm))
+        # This warpgroup's (tn, tm / 2) column half of S^T, dP^T and of their coordinates.
+        tS_h = cute.local_tile(tS[(None, None), 0, 0], (tn, half), (0, wg))
+        tdP_h = cute.local_tile(tdP[(None, None), 0, 0], (tn, half), (0, wg))
+        c_h = cute.local_tile(cute.make_identity_tensor((tn, tm)), (tn, half), (0, wg))
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(half)), Float32)
+        t2r = tcgen05.make_tmem_copy(ld_atom, tS_h).get_slice(tidx % 128)
+        tS_t2r = t2r.partition_S(tS_h)
+        tc = t2r.partition_D(c_h)
+        # dP^T is read 32 columns at a time so that only P (fp32) and one chunk of
+        # dP^T are live at once.
+        dp_cols = 32
+        ld_atom_dp = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(dp_cols)), Float32)
+        t2r_dp = tcgen05.make_tmem_copy(
+            ld_atom_dp, cute.local_tile(tdP_h, (tn, dp_cols), (0, 0))).get_slice(tidx % 128)
+        row_n = tc[0][0]  # this thread's key, local to the block
+        n_glob = n_block * tn + row_n
+        # Register j of rS / rP is query column tc[j][1] = wg * half + j (32x32b loads
+        # return a lane's columns in order), which _store_row and the sLSE / sDpsum
+        # indexing below rely on.
+
+        # Row-major (key, query) views of the P^T and dS^T operand tiles.
+        sPt_rc = _rows_cols(sPt, tn, tm)
+        sdSt_rc = _rows_cols(sdSt, tn, tm)
+
+        Consumer = pipeline.PipelineUserType.Consumer
+        Producer = pipeline.PipelineUserType.Producer
+        lse_state = pipeline.make_pipeline_state(Consumer, self.tiles.stages_qdo)
+        s_state = pipeline.make_pipeline_state(Consumer, 1)
+        dp_state = pipeline.make_pipeline_state(Consumer, 1)
+        p_state = pipeline.make_pipeline_state(Producer, 1)
+        ds_state = pipeline.make_pipeline_state(Producer, 1)
+
+        for it in cutlass.range(num_iters, unroll=1):
+            h_off = it // num_m
+            m_block = m_block_min + it - h_off * num_m
+            # First visible local query column of this key row (relative to this
+            # warpgroup's half): keys past seqlen_k see nothing; causal keys see
+            # queries m >= n.
+            col_start = Int32(0)
+            if const_expr(self.causal):
+                col_start = n_glob - m_block * tm
+            if n_glob >= seqlen_k:
+                col_start = Int32(tm)
+            col_start = col_start - wg * half
+            pipe_lse.consumer_wait(lse_state)
+            sNegLSE_s = cute.local_tile(sLSE[None, lse_state.index], (half,), (wg,))
+            sDpsum_s = cute.local_tile(sDpsum[None, lse_state.index], (half,), (wg,))
+
+            pipe_s.consumer_wait(s_state)
+            rS = cute.make_rmem_tensor(tc.shape, Float32)
+            cute.copy(t2r, tS_t2r, rS)
+            cute.arch.fence_view_async_tmem_load()
+            pipe_s.consumer_release(s_state)
+            s_state.advance()
+
+            # P = exp2(S * scale * log2(e) - LSElog2), two columns per packed FMA.
+            rNegLSE = cute.make_rmem_tensor((half,), Float32)
+            cute.autovec_copy(sNegLSE_s, rNegLSE)
+            for v in cutlass.range_constexpr(half // 2):
+                a, b = cute.arch.fma_packed_f32x2(
+                    (rS[2 * v], rS[2 * v + 1]), (scale_log2, scale_log2),
+                    (rNegLSE[2 * v], rNegLSE[2 * v + 1]))
+                rS[2 * v] = cute.math.exp2(a, fastmath=True)
+                rS[2 * v + 1] = cute.math.exp2(b, fastmath=True)
+            if col_start > 0:
+                # Diagonal or last key block only: a compare and select per element.
+                for v in cutlass.range_constexpr(half // 2):
+                    for j in (2 * v, 2 * v + 1):
+                        rS[j] = rS[j] if j >= col_start else Float32(0.0)
+            rP = cute.make_rmem_tensor(tc.shape, self.dtype)
+            rP.store(rS.load().to(self.dtype))
+            # sP is free once the previous dV has read it.
+            pipe_p.producer_acquire(p_state)
+            self._store_row(rP, sPt_rc, row_n, wg, half)
+            # Generic-proxy SMEM writes must be visible to the async proxy (tcgen05).
+            cute.arch.fence_view_async_shared()
+            pipe_p.producer_commit(p_state)
+            p_state.advance()
+
+            # dS = P * (dP - Dpsum), 32 columns at a time.
+            pipe_dp.consumer_wait(dp_state)
+            # sdS is free once the previous dK and dQ have read it.
+            pipe_ds.producer_acquire(ds_state)
+            for c in cutlass.range_constexpr(half // dp_cols):
+                tdP_c = cute.local_tile(tdP_h, (tn, dp_cols), (0, c))
+                rdP = cute.make_rmem_tensor(
+                    t2r_dp.partition_D(cute.local_tile(c_h, (tn, dp_cols), (0, c))).shape,
+                    Float32)
+                cute.copy(t2r_dp, t2r_dp.partition_S(tdP_c), rdP)
+                cute.arch.fence_view_async_tmem_load()
+                if const_expr(c == half // dp_cols - 1):
+                    pipe_dp.consumer_release(dp_state)
+                rDpsum = cute.make_rmem_tensor((dp_cols,), Float32)
+                cute.autovec_copy(cute.local_tile(sDpsum_s, (dp_cols,), (c,)), rDpsum)
+                for v in cutlass.range_constexpr(dp_cols // 2):
+                    j = c * dp_cols + 2 * v
+                    d0, d1 = cute.arch.sub_packed_f32x2(
+                        (rdP[2 * v], rdP[2 * v + 1]), (rDpsum[2 * v], rDpsum[2 * v + 1]))
+                    rdP[2 * v], rdP[2 * v + 1] = cute.arch.mul_packed_f32x2(
+                        (rS[j], rS[j + 1]), (d0, d1))
+                rdS = cute.make_rmem_tensor(rdP.shape, self.dtype)
+                rdS.store(rdP.load().to(self.dtype))
+                self._store_row(rdS, sdSt_rc, row_n, wg * (half // dp_cols) + c, dp_cols)
+            dp_state.advance()
+            pipe_lse.consumer_release(lse_state)
+            lse_state.advance()
+            cute.arch.fence_view_async_shared()
+            pipe_ds.producer_commit(ds_state)
+            ds_state.advance()
+
+        if num_iters > 0:
+            pipe_dkv.consumer_wait(pipeline.make_pipeline_state(Consumer, 1))
+        self.store_dkv(mma_dv, tmem_ptr, self.tmem_dv, mdV, self.head_dim_v, 1.0, tidx, wg,
+                       n_block, head_kv, batch, seqlen_k, num_iters)
+        self.store_dkv(mma_dk, tmem_ptr, self.tmem_dk, mdK, self.head_dim,
+                       self.softmax_scale, tidx, wg, n_block, head_kv, batch, seqlen_k,
+                       num_iters)
+
+    @cute.jit
+    def _store_row(self, rX: cute.Tensor, sX_rc: cute.Tensor, row, blk, ncols: int):
+        """Write `ncols` 16-bit registers (columns blk * ncols, blk * ncols + 1, ... of
+        key row `row`) into a (key, query) SMEM operand view, 16 bytes at a time: the
+        128B swizzle moves whole 16-byte chunks, so 8 consecutive columns stay
+        contiguous."""
+        vec = 8
+        row_view = cute.local_tile(sX_rc[row, None], (ncols,), (blk,))
+        for q in cutlass.range_constexpr(ncols // vec):
+            src = cute.make_tensor(rX.iterator + q * vec, cute.make_layout(vec))
+            dst = cute.local_tile(row_view, (vec,), (q,))
+            cute.autovec_copy(src, dst)
+
+    @cute.jit
+    def store_dkv(self, tiled_mma, tmem_ptr, col: cutlass.Constexpr[int], mX,
+                  width: cutlass.Constexpr[int], scale: cutlass.Constexpr[float], tidx, wg,
+                  n_block, head_kv, batch, seqlen_k, num_iters):
+        """dV, or dK = scale * sum dS^T Q: TMEM -> registers -> global, 32 columns at a
+        time; warpgroup g stores columns [g * width / 2, (g + 1) * width / 2)."""
+        tn = self.tile_n
+        chunk = 32
+        chunks_per_wg = width // 2 // chunk
+        tX = self._tmem_acc(tiled_mma, tmem_ptr, col, (tn, width))
+        tX2 = tX[(None, None), 0, 0]
+        cX = cute.make_identity_tensor((tn, width))
+        gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, 0))
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32)
+        for c in cutlass.range_constexpr(chunks_per_wg):
+            blk = wg * chunks_per_wg + c
+            tX_c = cute.local_tile(tX2, (tn, chunk), (0, blk))
+            t2r = tcgen05.make_tmem_copy(ld_atom, tX_c).get_slice(tidx % 128)
+            tc = t2r.partition_D(cute.local_tile(cX, (tn, chunk), (0, blk)))
+            rAcc = cute.make_rmem_tensor(tc.shape, Float32)
+            if num_iters > 0:
+                cute.copy(t2r, t2r.partition_S(tX_c), rAcc)
+                cute.arch.fence_view_async_tmem_load()
+            else:
+                rAcc.fill(0.0)
+            rX = cute.make_rmem_tensor(tc.shape, self.dtype)
+            if const_expr(scale != 1.0):
+                rX.store((rAcc.load() * scale).to(self.dtype))
+            else:
+                rX.store(rAcc.load().to(self.dtype))
+            row = tc[0][0]
+            if n_block * tn + row < seqlen_k:
+                for j in cutlass.range_constexpr(cute.size(rX)):
+                    gX[tc[j]] = rX[j]
+
+    # ---------------------------------------------------------- dQ reduce warps
+    @cute.jit
+    def reduce_dq(self, mma_dq, mdQaccum, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx, head_kv,
+                  batch, group_size, m_block_min, num_m, num_iters):
+        """Warps 0-3: per work item, dQ (TMEM, lane = query row) in dq_cols-column
+        chunks -> SMEM staging tile -> TMA reduce-add into mdQaccum (fp32)."""
+        tm, d = self.tile_m, self.head_dim
+        ncol, nstage = self.tiles.dq_cols, self.tiles.dq_stages
+        nchunk = d // ncol
+        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, (tm, d))
+        tdQ2 = tdQ[(None, None), 0, 0]
+        cdQ = cute.make_identity_tensor((tm, d))
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
+        t2r = tcgen05.make_tmem_copy(ld_atom, cute.local_tile(tdQ2, (tm, ncol), (0, 0)))
+        thr_t2r = t2r.get_slice(tidx)
+        reduce_bar = pipeline.NamedBarrier(barrier_id=_BAR_REDUCE, num_threads=128)
+        is_leader = tidx == 0
+
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for it in cutlass.range(num_iters, unroll=1):
+            h_off = it // num_m
+            m_block = m_block_min + it - h_off * num_m
+            head_q = head_kv * group_size + h_off
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, ncol),
+                                  (m_block, None))  # (tm, ncol, nchunk)
+            tsdQ, tgdQ = cpasync.tma_partition(
+                tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                cute.group_modes(gdQ, 0, 2))
+            pipe_dq.consumer_wait(dq_state)
+            for c in cutlass.range_constexpr(nchunk):
+                stage = c % nstage
+                tdQ_c = cute.local_tile(tdQ2, (tm, ncol), (0, c))
+                tc = thr_t2r.partition_D(cute.local_tile(cdQ, (tm, ncol), (0, c)))
+                rdQ = cute.make_rmem_tensor(tc.shape, Float32)
+                cute.copy(thr_t2r, thr_t2r.partition_S(tdQ_c), rdQ)
+                cute.arch.fence_view_async_tmem_load()
+                if const_expr(c == nchunk - 1):
+                    # All of dQ is in registers or SMEM: the MMA may overwrite it.
+                    pipe_dq.consumer_release(dq_state)
+                # The staging tile is free once the reduce issued nstage chunks ago
+                # has finished reading it.
+                if is_leader:
+                    cute.arch.cp_async_bulk_wait_group(nstage - 1, read=True)
+                reduce_bar.arrive_and_wait()
+                # Row tidx of the staging tile, 16 bytes at a time (the swizzle moves
+                # whole 16-byte chunks); register j holds column j of the chunk.
+                sdQ_row = sdQ[tc[0][0], None, stage]
+                for q in cutlass.range_constexpr(ncol // 4):
+                    cute.autovec_copy(
+                        cute.make_tensor(rdQ.iterator + q * 4, cute.make_layout(4)),
+                        cute.local_tile(sdQ_row, (4,), (q,)))
+                cute.arch.fence_view_async_shared()
+                reduce_bar.arrive_and_wait()
+                if is_leader:
+                    cute.copy(tma_dQ, tsdQ[None, stage], tgdQ[None, c])
+                    cute.arch.cp_async_bulk_commit_group()
+            dq_state.advance()
+        if is_leader:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -1,0 +1,214 @@
+"""CPU compile checks for the sm100 backward main kernel (kernels/sm100_bwd.py).
+
+Lowers FlashBwdSm100 through cutlass.jax.cutlass_call for sm_100a (cute.compile runs
+on the CPU, no Blackwell GPU needed) with dynamic B, S, H (divisibility 1) and
+checks that the HLO holds the custom call. For one configuration it also reads the
+PTX and SASS: tcgen05 MMA / TMEM instructions, setmaxnreg and mbarrier waits.
+These are compile checks only: the kernel has not run on hardware.
+"""
+
+import glob
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+needs_cutlass = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
+)
+
+
+class _PinArch:
+    """Compile for sm_100a, then restore the DSL's target and CUTE_DSL_ARCH.
+
+    The DSL reads CUTE_DSL_ARCH once, at the first cutlass import, and keeps that
+    target for the process. Setting the variable at module import would leak into
+    test modules collected later (the sm90 ones only setdefault it), so it is set
+    here, before any cutlass import of this module, and the DSL's target is pinned
+    for the duration of one compile in case another module imported cutlass first.
+    """
+
+    def __enter__(self):
+        self.saved_env = os.environ.get("CUTE_DSL_ARCH")
+        os.environ["CUTE_DSL_ARCH"] = "sm_100a"
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL  # no public setter exists
+
+        self.envar = CuTeDSL._get_dsl().envar
+        self.saved_arch = self.envar.arch
+        self.envar.arch = "sm_100a"
+        return self
+
+    def __exit__(self, *exc):
+        self.envar.arch = self.saved_arch
+        if self.saved_env is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = self.saved_env
+
+
+def _lower_bwd(dtype, head_dim: int, causal: bool, shape=(2, 113, 203, 4, 1),
+               compile_options: str | None = None) -> str:
+    with _PinArch():
+        return _lower_bwd_pinned(dtype, head_dim, causal, shape, compile_options)
+
+
+def _lower_bwd_pinned(dtype, head_dim, causal, shape, compile_options) -> str:
+    import cutlass
+    from cutlass.jax import TensorSpec, cutlass_call
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+
+    cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
+    kernel = FlashBwdSm100(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5)
+    b, sq, sk, hq, hkv = shape
+    sq_pad = (sq + 127) // 128 * 128
+    sds = jax.ShapeDtypeStruct
+    q = sds((b, sq, hq, head_dim), dtype)
+    kv = sds((b, sk, hkv, head_dim), dtype)
+    stat = sds((b, hq, sq), jnp.float32)
+    dq_accum = sds((b, hq, sq_pad, head_dim), jnp.float32)
+    # Explicit 1s on B, S, H: otherwise the bridge would assume the concrete
+    # example extents divide every runtime extent.
+    s4 = TensorSpec(divisibility=(1, 1, 1, head_dim))
+    s3 = TensorSpec(divisibility=(1, 1, 1))
+    kwargs = {} if compile_options is None else {"compile_options": compile_options}
+    call = cutlass_call(
+        kernel,
+        output_shape_dtype=(dq_accum, kv, kv),
+        input_spec=[s4, s4, s4, s4, s3, s3, s4],
+        output_spec=[s4, s4, s4],
+        input_output_aliases={6: 0},
+        **kwargs,
+    )
+    args = (q, kv, kv, q, stat, stat, dq_accum)
+    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_cutlass
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_compiles(head_dim, causal):
+    # GQA (4 query heads per kv head) and lengths that are not tile multiples.
+    text = _lower_bwd(jnp.bfloat16, head_dim, causal)
+    assert "custom_call" in text
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_compiles_fp16(head_dim):
+    assert "custom_call" in _lower_bwd(jnp.float16, head_dim, True)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (3, 4097, 17, 6, 2), (1, 17, 4097, 2, 2)])
+def test_bwd_compiles_odd_shapes(shape):
+    assert "custom_call" in _lower_bwd(jnp.bfloat16, 64, True, shape=shape)
+
+
+@needs_cutlass
+def test_bwd_rejects_unsupported_head_dim():
+    with _PinArch():
+        import cutlass
+
+        from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+
+        with pytest.raises(ValueError):
+            FlashBwdSm100(cutlass.BFloat16, 96, 96, False, 0.1)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_ptx_sass(tmp_path, head_dim):
+    _lower_bwd(jnp.bfloat16, head_dim, True,
+               compile_options=f"--keep-ptx --keep-sass --dump-dir={tmp_path}")
+    ptx_files = glob.glob(str(tmp_path / "*.ptx"))
+    assert ptx_files, "no PTX was dumped"
+    with open(ptx_files[0]) as f:
+        ptx = f.read()
+    for needle in ("tcgen05.mma", "tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld",
+                   "tcgen05.commit", "setmaxnreg", "mbarrier.try_wait",
+                   "cp.reduce.async.bulk.tensor", "cp.async.bulk.tensor"):
+        assert needle in ptx, f"{needle} missing from the PTX"
+    sass_files = glob.glob(str(tmp_path / "*.sass"))
+    if not sass_files:
+        pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
+    with open(sass_files[0]) as f:
+        sass = f.read()
+    assert "UTCHMMA" in sass or "UTCQMMA" in sass or "UTCMMA" in sass, "tcgen05.mma missing"
+    assert "USETMAXREG" in sass, "setmaxnreg was dropped"
+    spills = sum(line.count("LDL") + line.count("STL") for line in sass.splitlines())
+    assert spills <= 16, f"{spills} local-memory instructions in the SASS"
+
+
+@needs_cutlass
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_operand_views_alias(head_dim):
+    """Every SMEM tile is written once and read by two MMAs through two layouts
+    (K-major and MN-major, or the compute warps' (key, query) view): check on a
+    sample of elements that both layouts put each logical element at the same
+    offset, so the second reader sees what the writer stored."""
+    with _PinArch():
+        _check_operand_views(head_dim)
+
+
+def _check_operand_views(head_dim: int) -> None:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, _rows_cols
+
+    step = 37  # a prime stride through the tile keeps the check to a few seconds
+
+    @cute.jit
+    def check(d: cutlass.Constexpr[int]):
+        kernel = FlashBwdSm100(cutlass.BFloat16, d, d, True, 0.1)
+        (ms, mdp, mdv, mdk, mdq), tl = kernel._tiled_mmas()
+        dt = cutlass.BFloat16
+
+        def first_stage(layout):
+            return cute.slice_(layout.outer, (None, None, None, 0))
+
+        def operand(mma, tiler, side):
+            make = sm100_utils.make_smem_layout_a if side == "A" else \
+                sm100_utils.make_smem_layout_b
+            return make(mma, tl[tiler], dt, 1)
+
+        def coords(mma, side, shape):
+            thr = mma.get_slice(0)
+            part = thr.partition_A if side == "A" else thr.partition_B
+            return part(cute.make_identity_tensor(shape))
+
+        # (writer layout, reader layout): the reader sees the tile transposed.
+        pairs = [
+            ((ms, "s", "A"), (mdq, "dq", "B"), (128, d)),  # K / K^T
+            ((ms, "s", "B"), (mdk, "dk", "B"), (128, d)),  # Q / Q^T
+            ((mdp, "dp", "B"), (mdv, "dv", "B"), (128, d)),  # dO / dO^T
+            ((mdk, "dk", "A"), (mdq, "dq", "A"), (128, 128)),  # dS^T / dS
+        ]
+        for (m1, t1, s1), (m2, t2, s2), shape in pairs:
+            l1, l2 = operand(m1, t1, s1), operand(m2, t2, s2)
+            assert str(l1.inner) == str(l2.inner)
+            o1, o2 = first_stage(l1), first_stage(l2)
+            c1 = coords(m1, s1, shape)
+            c2 = coords(m2, s2, (shape[1], shape[0]))
+            where = {}
+            for i in cutlass.range_constexpr(cute.size(o1)):
+                where[c1[i]] = cute.crd2idx(cute.idx2crd(i, o1.shape), o1)
+            for i in cutlass.range_constexpr(0, cute.size(o2), step):
+                r, c = c2[i]
+                assert where[(c, r)] == cute.crd2idx(cute.idx2crd(i, o2.shape), o2)
+        # The compute warps' (key, query) views against the MMA's own A partition.
+        for mma, tiler in ((mdv, "dv"), (mdk, "dk")):
+            o = first_stage(operand(mma, tiler, "A"))
+            rc = _rows_cols(cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem), o),
+                            128, 128)
+            c = coords(mma, "A", (128, 128))
+            for i in cutlass.range_constexpr(0, cute.size(o), step):
+                assert cute.crd2idx(cute.idx2crd(i, o.shape), o) == \
+                    cute.crd2idx(c[i], rc.layout)
+
+    check(head_dim)
