@@ -6,14 +6,12 @@ the custom call. Shapes are dynamic (divisibility 1 on B, S, H), as in use.
 """
 
 import importlib.util
-import os
-
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_compile import lower
 
 from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
 from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess, bwd_workspace_shapes
@@ -24,25 +22,6 @@ needs_cutlass = pytest.mark.skipif(
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def _spec(rank: int, head_dim: int | None = None):
-    from cutlass.jax import TensorSpec
-
-    # Explicit 1s on B, S, H: otherwise the bridge would assume the concrete
-    # example extents divide every runtime extent.
-    div = (1,) * (rank - 1) + ((head_dim,) if head_dim else (1,))
-    return TensorSpec(divisibility=div)
-
-
-def _call(kernel, **kwargs):
-    from cutlass.jax import cutlass_call
-
-    return cutlass_call(kernel, **kwargs)
-
-
-def _lower(call, *args) -> str:
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_workspace_shapes():
@@ -61,17 +40,11 @@ def test_workspace_shapes():
 def test_preprocess_compiles(arch, dtype, head_dim):
     batch, seqlen, heads = 2, 203, 3
     ws = bwd_workspace_shapes(batch, seqlen, heads, head_dim)
-    kernel = FlashBwdPreprocess(dtype, head_dim, head_dim)
-    call = _call(
-        kernel,
-        output_shape_dtype=tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ws),
-        input_spec=[_spec(4, head_dim), _spec(4, head_dim), _spec(3), _spec(3)],
-        output_spec=[_spec(3), _spec(3), _spec(4, head_dim)],
-        compile_options=f"--gpu-arch {arch}",
-    )
     o = jax.ShapeDtypeStruct((batch, seqlen, heads, head_dim), dtype)
     lse = jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)
-    text = _lower(call, o, o, lse, lse)
+    outs = tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
+    text = lower(lambda: FlashBwdPreprocess(dtype, head_dim, head_dim), arch,
+                 (o, o, lse, lse), outs)
     assert "custom_call" in text
 
 
@@ -82,15 +55,9 @@ def test_preprocess_compiles(arch, dtype, head_dim):
 def test_postprocess_compiles(arch, dtype, head_dim):
     batch, seqlen, heads = 2, 203, 3
     shape, f32 = bwd_workspace_shapes(batch, seqlen, heads, head_dim)["dQaccum"]
-    kernel = FlashBwdPostprocess(dtype, head_dim, head_dim**-0.5)
-    call = _call(
-        kernel,
-        output_shape_dtype=jax.ShapeDtypeStruct((batch, seqlen, heads, head_dim), dtype),
-        input_spec=[_spec(4, head_dim)],
-        output_spec=[_spec(4, head_dim)],
-        compile_options=f"--gpu-arch {arch}",
-    )
-    text = _lower(call, jax.ShapeDtypeStruct(shape, f32))
+    out = jax.ShapeDtypeStruct((batch, seqlen, heads, head_dim), dtype)
+    text = lower(lambda: FlashBwdPostprocess(dtype, head_dim, head_dim**-0.5), arch,
+                 (jax.ShapeDtypeStruct(shape, f32),), (out,))
     assert "custom_call" in text
 
 

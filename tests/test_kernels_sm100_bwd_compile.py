@@ -9,81 +9,30 @@ These are compile checks only: the kernel has not run on hardware.
 
 import glob
 import importlib.util
-import os
 
-import jax
 import jax.numpy as jnp
 import pytest
+from kernel_compile import bwd_structs, lower
+
+from jax_fa4.ffi.bridge import pinned_arch
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
 )
 
 
-class _PinArch:
-    """Compile for sm_100a, then restore the DSL's target and CUTE_DSL_ARCH.
-
-    The DSL reads CUTE_DSL_ARCH once, at the first cutlass import, and keeps that
-    target for the process. Setting the variable at module import would leak into
-    test modules collected later (the sm90 ones only setdefault it), so it is set
-    here, before any cutlass import of this module, and the DSL's target is pinned
-    for the duration of one compile in case another module imported cutlass first.
-    """
-
-    def __enter__(self):
-        self.saved_env = os.environ.get("CUTE_DSL_ARCH")
-        os.environ["CUTE_DSL_ARCH"] = "sm_100a"
-        from cutlass.cutlass_dsl.cutlass import CuTeDSL  # no public setter exists
-
-        self.envar = CuTeDSL._get_dsl().envar
-        self.saved_arch = self.envar.arch
-        self.envar.arch = "sm_100a"
-        return self
-
-    def __exit__(self, *exc):
-        self.envar.arch = self.saved_arch
-        if self.saved_env is None:
-            os.environ.pop("CUTE_DSL_ARCH", None)
-        else:
-            os.environ["CUTE_DSL_ARCH"] = self.saved_env
-
-
 def _lower_bwd(dtype, head_dim: int, causal: bool, shape=(2, 113, 203, 4, 1),
                compile_options: str | None = None) -> str:
-    with _PinArch():
-        return _lower_bwd_pinned(dtype, head_dim, causal, shape, compile_options)
-
-
-def _lower_bwd_pinned(dtype, head_dim, causal, shape, compile_options) -> str:
     import cutlass
-    from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
 
     cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
-    kernel = FlashBwdSm100(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5)
-    b, sq, sk, hq, hkv = shape
-    sq_pad = (sq + 127) // 128 * 128
-    sds = jax.ShapeDtypeStruct
-    q = sds((b, sq, hq, head_dim), dtype)
-    kv = sds((b, sk, hkv, head_dim), dtype)
-    stat = sds((b, hq, sq), jnp.float32)
-    dq_accum = sds((b, hq, sq_pad, head_dim), jnp.float32)
-    # Explicit 1s on B, S, H: otherwise the bridge would assume the concrete
-    # example extents divide every runtime extent.
-    s4 = TensorSpec(divisibility=(1, 1, 1, head_dim))
-    s3 = TensorSpec(divisibility=(1, 1, 1))
-    kwargs = {} if compile_options is None else {"compile_options": compile_options}
-    call = cutlass_call(
-        kernel,
-        output_shape_dtype=(dq_accum, kv, kv),
-        input_spec=[s4, s4, s4, s4, s3, s3, s4],
-        output_spec=[s4, s4, s4],
-        input_output_aliases={6: 0},
-        **kwargs,
+    ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
+    return lower(
+        lambda: FlashBwdSm100(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
+        "sm_100a", ins, outs, aliases, compile_options,
     )
-    args = (q, kv, kv, q, stat, stat, dq_accum)
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @needs_cutlass
@@ -109,7 +58,7 @@ def test_bwd_compiles_odd_shapes(shape):
 
 @needs_cutlass
 def test_bwd_rejects_unsupported_head_dim():
-    with _PinArch():
+    with pinned_arch("sm_100a"):
         import cutlass
 
         from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
@@ -150,7 +99,7 @@ def test_operand_views_alias(head_dim):
     (K-major and MN-major, or the compute warps' (key, query) view): check on a
     sample of elements that both layouts put each logical element at the same
     offset, so the second reader sees what the writer stored."""
-    with _PinArch():
+    with pinned_arch("sm_100a"):
         _check_operand_views(head_dim)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import os
 import re
 
 import pytest
@@ -23,60 +22,27 @@ if importlib.util.find_spec("cutlass") is None:
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-# The DSL fixes its target arch when cutlass is first imported (from
-# CUTE_DSL_ARCH) and keeps it for the process. This module imports cutlass only
-# inside the fixture below, after setting the variable, and restores both the
-# variable and the DSL's target afterwards: setting the variable here at import
-# would leak into test modules collected later (the sm90 ones only
-# setdefault it) and make them compile for sm_100a in a mixed session.
+from kernel_compile import fwd_structs, lower  # noqa: E402
+
+from jax_fa4.ffi.bridge import pinned_arch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def sm100():
     """Pin the DSL to sm_100a for one test; yield (cutlass.jax, kernel module)."""
-    prev_env = os.environ.get("CUTE_DSL_ARCH")
-    os.environ["CUTE_DSL_ARCH"] = "sm_100a"  # before a first cutlass import
-    import cutlass.jax as cutlass_jax
-    from cutlass.cutlass_dsl.cutlass import CuTeDSL  # no public setter exists
+    with pinned_arch("sm_100a"):
+        import cutlass.jax as cutlass_jax
 
-    from jax_fa4.kernels import sm100_fwd
+        from jax_fa4.kernels import sm100_fwd
 
-    dsl = CuTeDSL._get_dsl()
-    prev_arch = dsl.envar.arch
-    dsl.envar.arch = "sm_100a"
-    try:
         yield cutlass_jax, sm100_fwd
-    finally:
-        if prev_env is None:
-            os.environ.pop("CUTE_DSL_ARCH", None)
-        else:
-            os.environ["CUTE_DSL_ARCH"] = prev_env
-        dsl.envar.arch = prev_arch  # exactly as found: later modules rely on it
 
 
 def _lower(sm100, dtype, d: int, causal: bool, shape=(2, 113, 203, 8, 2), compile_options=None):
     """Lower the forward for (B, Sq, Sk, Hq, Hkv); returns the HLO text."""
-    cutlass_jax, sm100_fwd = sm100
-    b, sq, sk, hq, hkv = shape
-    kernel = sm100_fwd.FlashFwdSm100(dtype, d, d, causal)
-    spec = cutlass_jax.TensorSpec(divisibility=(1, 1, 1, d))
-    lse_spec = cutlass_jax.TensorSpec(divisibility=(1, 1, 1))
-    call = cutlass_jax.cutlass_call(
-        kernel,
-        output_shape_dtype=(
-            jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
-            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-        ),
-        input_spec=[spec, spec, spec],
-        output_spec=[spec, lse_spec],
-        compile_options=compile_options,
-    )
-    args = [
-        jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
-        jax.ShapeDtypeStruct((b, sk, hkv, d), dtype),
-        jax.ShapeDtypeStruct((b, sk, hkv, d), dtype),
-    ]
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    ins, outs = fwd_structs(*shape, d, dtype)
+    return lower(lambda: sm100[1].FlashFwdSm100(dtype, d, d, causal), "sm_100a", ins, outs,
+                 compile_options=compile_options)
 
 
 @pytest.mark.parametrize(

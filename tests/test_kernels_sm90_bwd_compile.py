@@ -8,13 +8,10 @@ HLO holds the custom call. For one configuration it also reads the SASS: wgmma
 
 import glob
 import importlib.util
-import os
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-import jax
 import jax.numpy as jnp
 import pytest
+from kernel_compile import bwd_structs, lower
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -23,35 +20,16 @@ needs_cutlass = pytest.mark.skipif(
 
 def _lower_bwd(dtype, head_dim: int, causal: bool, compile_options: str | None = None) -> str:
     import cutlass
-    from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
 
     cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
-    kernel = FlashBwdSm90(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5)
     # GQA (4 query heads per kv head) and lengths that are not tile multiples.
-    b, sq, sk, hq, hkv = 2, 113, 203, 4, 1
-    sq_pad = (sq + 127) // 128 * 128
-    sds = jax.ShapeDtypeStruct
-    q = sds((b, sq, hq, head_dim), dtype)
-    kv = sds((b, sk, hkv, head_dim), dtype)
-    stat = sds((b, hq, sq), jnp.float32)
-    dq_accum = sds((b, hq, sq_pad, head_dim), jnp.float32)
-    # Explicit 1s on B, S, H: otherwise the bridge would assume the concrete
-    # example extents divide every runtime extent.
-    s4 = TensorSpec(divisibility=(1, 1, 1, head_dim))
-    s3 = TensorSpec(divisibility=(1, 1, 1))
-    kwargs = {} if compile_options is None else {"compile_options": compile_options}
-    call = cutlass_call(
-        kernel,
-        output_shape_dtype=(dq_accum, kv, kv),
-        input_spec=[s4, s4, s4, s4, s3, s3, s4],
-        output_spec=[s4, s4, s4],
-        input_output_aliases={6: 0},
-        **kwargs,
+    ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, dtype)
+    return lower(
+        lambda: FlashBwdSm90(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
+        "sm_90a", ins, outs, aliases, compile_options,
     )
-    args = (q, kv, kv, q, stat, stat, dq_accum)
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @needs_cutlass

@@ -9,44 +9,26 @@ check that it uses wgmma (HGMMA), does not spill, and honours setmaxnreg.
 from __future__ import annotations
 
 import glob
-import os
 import shutil
 import subprocess
 
 import pytest
-
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 cutlass = pytest.importorskip("cutlass")
 cutlass_jax = pytest.importorskip("cutlass.jax")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
+from kernel_compile import fwd_structs, lower  # noqa: E402
+
 from jax_fa4.kernels.sm90_fwd import FlashFwdSm90  # noqa: E402
 
 
 def _lower(dtype, d: int, causal: bool, shape=(2, 113, 203, 8, 2), compile_options=None):
-    """Lower the forward for (B, Sq, Sk, Hq, Hkv); returns the HLO text."""
-    b, sq, sk, hq, hkv = shape
-    kernel = FlashFwdSm90(dtype, d, d, causal)
-    spec = cutlass_jax.TensorSpec(divisibility=(1, 1, 1, d))
-    lse_spec = cutlass_jax.TensorSpec(divisibility=(1, 1, 1))
-    call = cutlass_jax.cutlass_call(
-        kernel,
-        output_shape_dtype=(
-            jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
-            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-        ),
-        input_spec=[spec, spec, spec],
-        output_spec=[spec, lse_spec],
-        compile_options=compile_options,
-    )
-    args = [
-        jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
-        jax.ShapeDtypeStruct((b, sk, hkv, d), dtype),
-        jax.ShapeDtypeStruct((b, sk, hkv, d), dtype),
-    ]
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """Lower the forward for (B, Sq, Sk, Hq, Hkv) for sm_90a; returns the HLO text."""
+    ins, outs = fwd_structs(*shape, d, dtype)
+    return lower(lambda: FlashFwdSm90(dtype, d, d, causal), "sm_90a", ins, outs,
+                 compile_options=compile_options)
 
 
 @pytest.mark.parametrize(

@@ -68,19 +68,32 @@ def cutlass_available(arch: str | None = None) -> str | None:
     return None
 
 
-def _pin_arch(arch: str) -> None:
-    """Make the DSL compile for ``arch``.
+@contextlib.contextmanager
+def pinned_arch(arch: str):
+    """Make the DSL compile for ``arch`` inside the block, then restore its target.
 
-    The DSL reads CUTE_DSL_ARCH when its singleton is built (at import) and
-    otherwise detects the GPU, defaulting silently to sm_100a without one. Set
-    the variable for a first import, and the singleton's target for the case
-    where cutlass was imported earlier. (Its `--gpu-arch` compile option is no
-    substitute: with it the host object fails to export.)
+    The DSL reads CUTE_DSL_ARCH when its singleton is built (at the first
+    cutlass import) and otherwise detects the GPU, defaulting silently to
+    sm_100a without one. Set the variable for a first import, and the
+    singleton's target for the case where cutlass was imported earlier. (Its
+    `--gpu-arch` compile option is no substitute: with it the host object fails
+    to export.)
     """
+    saved_env = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = arch
     from cutlass.cutlass_dsl.cutlass import CuTeDSL  # no public setter exists
 
-    CuTeDSL._get_dsl().envar.arch = arch
+    envar = CuTeDSL._get_dsl().envar
+    saved_arch = envar.arch
+    envar.arch = arch
+    try:
+        yield
+    finally:
+        envar.arch = saved_arch
+        if saved_env is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = saved_env
 
 
 def _specs(structs: Sequence[Any], static_dims: Sequence[Sequence[int]]):
@@ -134,8 +147,7 @@ def compile_kernel(
         dt = time.perf_counter() - t0
         logger.info("jax_fa4: loaded %s from %s in %.3f s", key, path, dt)
     else:
-        with _lock:
-            _pin_arch(key.arch)
+        with _lock, pinned_arch(key.arch):
             compiled = cjc.get_or_compile_kernel(build(), spec, compile_key=("jax_fa4", key))
         result = Compiled(compiled.module, compiled.fingerprint)
         dt = time.perf_counter() - t0

@@ -1,0 +1,90 @@
+"""Shared by the kernel compile tests: lower one CuTe DSL kernel for platform cuda
+on this CPU machine, for a given target, with dynamic batch / sequence / head
+extents, and read its PTX / SASS dumps.
+
+The DSL keeps one compile target per process; `lower` pins it for the one
+compile and restores it, so test modules can run in any order in one session.
+"""
+
+from __future__ import annotations
+
+import glob
+import pathlib
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4.ffi.bridge import pinned_arch
+
+
+def spec(struct):
+    """Divisibility 1 on batch / sequence / head extents; head dim (last) static."""
+    from cutlass.jax import TensorSpec
+
+    # Without explicit 1s the bridge would assume the example extents divide
+    # every run-time extent.
+    rank = len(struct.shape)
+    last = struct.shape[-1] if rank == 4 else 1
+    return TensorSpec(divisibility=(1,) * (rank - 1) + (last,))
+
+
+def lower(
+    make_kernel: Callable[[], object],
+    arch: str,
+    inputs: Sequence[jax.ShapeDtypeStruct],
+    outputs: Sequence[jax.ShapeDtypeStruct],
+    aliases: dict[int, int] | None = None,
+    compile_options: str | None = None,
+) -> str:
+    """Compile ``make_kernel()`` for ``arch`` through cutlass_call; the lowered HLO text."""
+    from cutlass.jax import cutlass_call
+
+    with pinned_arch(arch):
+        call = cutlass_call(
+            make_kernel(),
+            output_shape_dtype=tuple(outputs),
+            input_spec=[spec(s) for s in inputs],
+            output_spec=[spec(s) for s in outputs],
+            input_output_aliases=aliases or {},
+            compile_options=compile_options,
+        )
+        return jax.jit(call).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def fwd_structs(b, sq, sk, hq, hkv, d, dtype):
+    """Forward operands (q, k, v) and results (out, lse)."""
+    sds = jax.ShapeDtypeStruct
+    ins = (sds((b, sq, hq, d), dtype), sds((b, sk, hkv, d), dtype), sds((b, sk, hkv, d), dtype))
+    outs = (sds((b, sq, hq, d), dtype), sds((b, hq, sq), jnp.float32))
+    return ins, outs
+
+
+def bwd_structs(b, sq, sk, hq, hkv, d, dtype):
+    """Backward main-kernel operands, results and the dQ-accumulator alias."""
+    sds = jax.ShapeDtypeStruct
+    sq_pad = (sq + 127) // 128 * 128
+    q = sds((b, sq, hq, d), dtype)
+    kv = sds((b, sk, hkv, d), dtype)
+    stat = sds((b, hq, sq), jnp.float32)
+    dq_accum = sds((b, hq, sq_pad, d), jnp.float32)
+    return (q, kv, kv, q, stat, stat, dq_accum), (dq_accum, kv, kv), {6: 0}
+
+
+def dump_options(folder: pathlib.Path) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"--keep-ptx --keep-sass --dump-dir={folder}"
+
+
+def read_dump(folder: pathlib.Path, ext: str) -> str | None:
+    """The text of the first ``*.ext`` file the DSL dumped, or None."""
+    files = sorted(glob.glob(str(folder / f"*.{ext}")))
+    if not files:
+        return None
+    with open(files[0]) as f:
+        return f.read()
+
+
+def count(pattern: str, text: str) -> int:
+    return len(re.findall(pattern, text))
