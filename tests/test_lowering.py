@@ -134,3 +134,16 @@ def test_disk_cache_lets_a_new_process_skip_compilation(monkeypatch, tmp_path):
     monkeypatch.setattr(cjc, "get_or_compile_kernel", no_compile)
     second = _lower(lambda q, k, v: fn(q, k, v), *structs)
     assert second.count(CALL) == 1 and first.count(CALL) == 1
+
+
+def test_vmap_over_queries_reads_shared_kv_once(monkeypatch):
+    """vmap(q) against one K/V folds the vmapped axis into the query heads:
+    the kernel reads K and V as given, not `n` broadcast copies."""
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    n, (q, k, v) = 3, _structs(2, 64, 203, 4, 2, 64, jnp.bfloat16)
+    qs = jax.ShapeDtypeStruct((n,) + q.shape, q.dtype)
+    fn = jax.vmap(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"),
+                  in_axes=(0, None, None))
+    txt = _lower(fn, qs, k, v)
+    call = next(line for line in txt.splitlines() if CALL in line)
+    assert "(tensor<2x64x12x64xbf16>, tensor<2x203x2x64xbf16>, tensor<2x203x2x64xbf16>)" in call

@@ -124,9 +124,31 @@ def _unfold(x, size):
 
 def _batch_rule(prim, args, dims, *, config):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if prim is fa4_fwd_p and dims[1] is None and dims[2] is None:
+        return _fwd_batch_shared_kv(args, dims[0], size, config)
     folded = [_fold(a, d, size) for a, d in zip(args, dims)]
     results = prim.bind(*folded, config=config)
     return [_unfold(r, size) for r in results], [0] * len(results)
+
+
+def _fwd_batch_shared_kv(args, q_dim, size, config):
+    """vmap over queries against one K/V: fold the vmapped axis into the query heads.
+
+    Query head h reads kv head h // G. Ordering the folded heads as
+    (kv head, vmapped index, group member) keeps that rule with group size
+    size * G, so K and V are read as they are instead of copied `size` times.
+    (Forward only: in the backward, per-index dK / dV must not be summed.)
+    """
+    q, k, v = args
+    n, (b, sq, hq, d) = size, q.shape[:q_dim] + q.shape[q_dim + 1 :]
+    hkv, g = k.shape[2], hq // k.shape[2]
+    q = jnp.moveaxis(q, q_dim, 0).reshape(n, b, sq, hkv, g, d)
+    q = q.transpose(1, 2, 3, 0, 4, 5).reshape(b, sq, hkv * n * g, d)
+    out, lse = fa4_fwd_p.bind(q, k, v, config=config)
+    dv = out.shape[-1]
+    out = out.reshape(b, sq, hkv, n, g, dv).transpose(3, 0, 1, 2, 4, 5)
+    lse = lse.reshape(b, hkv, n, g, sq).transpose(2, 0, 1, 3, 4)
+    return [out.reshape(n, b, sq, hq, dv), lse.reshape(n, b, hq, sq)], [0, 0]
 
 
 batching.primitive_batchers[fa4_fwd_p] = functools.partial(_batch_rule, fa4_fwd_p)
