@@ -67,6 +67,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 
+from jax_fa4.kernels.cute_utils import permute
+
 log = logging.getLogger(__name__)
 
 LOG2_E = math.log2(math.e)
@@ -118,8 +120,6 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     raise ValueError(f"sm100 backward supports head_dim 64 and 128, got {head_dim}")
 
 
-def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def _as_view(t: cute.Tensor, layout) -> cute.Tensor:
@@ -262,9 +262,9 @@ class FlashBwdSm100:
         dq_cols, dq_stages = self.tiles.dq_cols, self.tiles.dq_stages
 
         # (S, D, H, B) views: sequence and head dim first, as the TMA tiles see them.
-        mQ, mK, mV, mdO, mdK, mdV = [_permute(t, [1, 3, 2, 0])
+        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mdQaccum = _permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
+        mdQaccum = permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
 
         (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), tl = self._tiled_mmas()
 

@@ -70,6 +70,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.kernels.cute_utils import as_cutlass_dtype, permute
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.softmax import LN_2, LOG2_E, RESCALE_THRESHOLD
 
@@ -174,20 +175,8 @@ def kv_block_schedule(m_block, seqlen_k, causal: bool, rows_per_cta: int, tile_n
     return n_blocks, n_masked
 
 
-def _as_cutlass_dtype(dtype: Any) -> type[cutlass.Numeric]:
-    """Accept cutlass types, numpy/jax dtypes or their names."""
-    if isinstance(dtype, type) and issubclass(dtype, cutlass.Numeric):
-        return dtype
-    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
-    table = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-    if name not in table:
-        raise ValueError(f"sm100 forward supports bfloat16 and float16, got {dtype!r}")
-    return table[name]
 
 
-def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    """Re-view a tensor with its modes reordered (no data movement)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def _advanced(state):
@@ -232,7 +221,7 @@ class FlashFwdSm100:
         softmax_scale: float | None = None,
         tiles: Sm100FwdTiles | None = None,
     ):
-        self.dtype = _as_cutlass_dtype(dtype)
+        self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.causal = causal
@@ -279,9 +268,9 @@ class FlashFwdSm100:
             raise TypeError("LSE must be float32")
         # FA4 order: Q, K, O (seqlen, head_dim, heads, batch); V as the MN-major
         # B operand of P V: (head_dim_v, seqlen_k, heads, batch); LSE (seqlen, heads, batch).
-        mQ, mK, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
-        mVt = _permute(mV, [3, 1, 2, 0])
-        mLSE = _permute(mLSE, [2, 1, 0])
+        mQ, mK, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+        mVt = permute(mV, [3, 1, 2, 0])
+        mLSE = permute(mLSE, [2, 1, 0])
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         stages = self.tiles.kv_stages

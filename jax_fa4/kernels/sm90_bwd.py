@@ -43,6 +43,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from jax_fa4.kernels.cute_utils import permute, sm90_smem_layout, transpose_smem
+
 log = logging.getLogger(__name__)
 
 LOG2_E = math.log2(math.e)
@@ -76,25 +78,10 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
 
 
-def _smem_layout(dtype: type[cutlass.Numeric], rows: int, cols: int, stages: int | None):
-    """Row-major (cols contiguous) swizzled SMEM tile that wgmma can read as a
-    K-major operand and, through `_transpose`, as an MN-major operand."""
-    kind = sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dtype, cols)
-    atom = warpgroup.make_smem_layout_atom(kind, dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def _transpose(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of an SMEM tensor without moving data."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
-def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def _rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -219,18 +206,18 @@ class FlashBwdSm90:
         st = self.tiles.stages_qdo
 
         # (S, D, H, B) views: sequence and head dim first, as the TMA tiles see them.
-        mQ, mK, mV, mdO, mdK, mdV = [_permute(t, [1, 3, 2, 0])
+        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mdQaccum = _permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
+        mdQaccum = permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
 
-        sQ_layout = _smem_layout(self.dtype, tm, d, st)
-        sdO_layout = _smem_layout(self.dtype, tm, dv, st)
-        sK_layout = _smem_layout(self.dtype, tn, d, None)
-        sV_layout = _smem_layout(self.dtype, tn, dv, None)
-        sPdS_layout = _smem_layout(self.dtype, tm, tn, None)
-        sdQ_layout = _smem_layout(Float32, tm, d, None)
+        sQ_layout = sm90_smem_layout(self.dtype, tm, d, st)
+        sdO_layout = sm90_smem_layout(self.dtype, tm, dv, st)
+        sK_layout = sm90_smem_layout(self.dtype, tn, d, None)
+        sV_layout = sm90_smem_layout(self.dtype, tn, dv, None)
+        sPdS_layout = sm90_smem_layout(self.dtype, tm, tn, None)
+        sdQ_layout = sm90_smem_layout(Float32, tm, d, None)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, gmem_Q = cpasync.make_tiled_tma_atom(
@@ -464,14 +451,14 @@ class FlashBwdSm90:
         tdPrdO = mma_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
         tdPrV = mma_sdp.make_fragment_B(wg_sdp.partition_B(sV))
         # dV += P^T dO: A = P^T (tile_n x tile_m), B = dO^T (dv x tile_m), both MN-major.
-        tdVrPt = mma_dv.make_fragment_A(wg_dv.partition_A(_transpose(sP)))
-        tdVrdOt = mma_dv.make_fragment_B(wg_dv.partition_B(_transpose(sdO)))
+        tdVrPt = mma_dv.make_fragment_A(wg_dv.partition_A(transpose_smem(sP)))
+        tdVrdOt = mma_dv.make_fragment_B(wg_dv.partition_B(transpose_smem(sdO)))
         # dK += dS^T Q: A = dS^T (tile_n x tile_m), B = Q^T (d x tile_m), both MN-major.
-        tdKrdSt = mma_dk.make_fragment_A(wg_dk.partition_A(_transpose(sdS)))
-        tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(_transpose(sQ)))
+        tdKrdSt = mma_dk.make_fragment_A(wg_dk.partition_A(transpose_smem(sdS)))
+        tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_smem(sQ)))
         # dQ = dS K: A = dS (tile_m x tile_n) K-major, B = K^T (d x tile_n) MN-major.
         tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(_transpose(sK)))
+        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
 
         acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, d)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, dv)), Float32)

@@ -33,8 +33,8 @@ import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.kernels.cute_utils import as_cutlass_dtype, permute, sm90_smem_layout, transpose_smem
 from jax_fa4.kernels.mask import TileMask
 from jax_fa4.kernels.softmax import (
     LOG2_E,
@@ -96,37 +96,12 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     )
 
 
-def _as_cutlass_dtype(dtype: Any) -> type[cutlass.Numeric]:
-    """Accept cutlass types, numpy/jax dtypes or their names."""
-    if isinstance(dtype, type) and issubclass(dtype, cutlass.Numeric):
-        return dtype
-    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
-    table = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-    if name not in table:
-        raise ValueError(f"sm90 forward supports bfloat16 and float16, got {dtype!r}")
-    return table[name]
 
 
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Swizzled K-major SMEM layout for a (rows, cols[, stages]) wgmma operand tile."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
-def _permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    """Re-view a tensor with its modes reordered (no data movement)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
-def _transpose_smem(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of an SMEM tensor (V (n, dv, s) -> V^T (dv, n, s))."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -189,7 +164,7 @@ class FlashFwdSm90:
         softmax_scale: float | None = None,
         tiles: Sm90FwdTiles | None = None,
     ):
-        self.dtype = _as_cutlass_dtype(dtype)
+        self.dtype = as_cutlass_dtype(dtype, "sm90 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if self.head_dim % 16 or self.head_dim_v % 16:
@@ -233,8 +208,8 @@ class FlashFwdSm90:
         if cutlass.const_expr(mLSE.element_type != Float32):
             raise TypeError("LSE must be float32")
         # FA4 order: (seqlen, head_dim, heads, batch); LSE (seqlen, heads, batch).
-        mQ, mK, mV, mO = [_permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
-        mLSE = _permute(mLSE, [2, 1, 0])
+        mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = permute(mLSE, [2, 1, 0])
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         atom_layout = (self.tiles.num_consumer_wg, 1, 1)
@@ -259,10 +234,10 @@ class FlashFwdSm90:
             a_source=warpgroup.OperandSource.RMEM,
         )
 
-        sQ_layout = _smem_layout(self.dtype, tm, d)
-        sK_layout = _smem_layout(self.dtype, tn, d, self.num_stages)
-        sV_layout = _smem_layout(self.dtype, tn, dv, self.num_stages)
-        sO_layout = _smem_layout(self.dtype, tm, dv)
+        sQ_layout = sm90_smem_layout(self.dtype, tm, d)
+        sK_layout = sm90_smem_layout(self.dtype, tn, d, self.num_stages)
+        sV_layout = sm90_smem_layout(self.dtype, tn, dv, self.num_stages)
+        sO_layout = sm90_smem_layout(self.dtype, tm, dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (tm, d))
@@ -575,7 +550,7 @@ class FlashFwdSm90:
 
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        sVt = _transpose_smem(sV)
+        sVt = transpose_smem(sV)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
