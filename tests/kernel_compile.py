@@ -72,6 +72,23 @@ def bwd_structs(b, sq, sk, hq, hkv, d, dtype):
     return (q, kv, kv, q, stat, stat, dq_accum), (dq_accum, kv, kv), {6: 0}
 
 
+def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
+              shape=(2, 113, 203, 4, 1), compile_options: str | None = None) -> str:
+    """Lower a backward main kernel (sm90 or sm100 class) for (B, Sq, Sk, Hq, Hkv).
+
+    The default shape has GQA (4 query heads per kv head) and lengths that are
+    not tile multiples.
+    """
+    import cutlass
+
+    cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
+    ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
+    return lower(
+        lambda: kernel_cls(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
+        arch, ins, outs, aliases, compile_options,
+    )
+
+
 def dump_options(folder: pathlib.Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     return f"--keep-ptx --keep-sass --dump-dir={folder}"

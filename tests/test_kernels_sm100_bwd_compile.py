@@ -12,7 +12,7 @@ import importlib.util
 
 import jax.numpy as jnp
 import pytest
-from kernel_compile import bwd_structs, lower
+from kernel_compile import lower_bwd
 
 from jax_fa4.ffi.bridge import pinned_arch
 
@@ -23,16 +23,9 @@ needs_cutlass = pytest.mark.skipif(
 
 def _lower_bwd(dtype, head_dim: int, causal: bool, shape=(2, 113, 203, 4, 1),
                compile_options: str | None = None) -> str:
-    import cutlass
-
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
 
-    cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
-    ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
-    return lower(
-        lambda: FlashBwdSm100(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
-        "sm_100a", ins, outs, aliases, compile_options,
-    )
+    return lower_bwd(FlashBwdSm100, "sm_100a", dtype, head_dim, causal, shape, compile_options)
 
 
 @needs_cutlass

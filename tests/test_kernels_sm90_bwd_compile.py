@@ -11,7 +11,7 @@ import importlib.util
 
 import jax.numpy as jnp
 import pytest
-from kernel_compile import bwd_structs, lower
+from kernel_compile import lower_bwd
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -19,16 +19,10 @@ needs_cutlass = pytest.mark.skipif(
 
 
 def _lower_bwd(dtype, head_dim: int, causal: bool, compile_options: str | None = None) -> str:
-    import cutlass
-
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
 
-    cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
-    # GQA (4 query heads per kv head) and lengths that are not tile multiples.
-    ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, dtype)
-    return lower(
-        lambda: FlashBwdSm90(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
-        "sm_90a", ins, outs, aliases, compile_options,
+    return lower_bwd(
+        FlashBwdSm90, "sm_90a", dtype, head_dim, causal, compile_options=compile_options
     )
 
 
