@@ -6,6 +6,20 @@ Cases follow ../shared/FA4_FACTS.md: bf16, 16k tokens per batch, hidden 2048
 backward 2.5x forward. Prints a table of ms, TFLOP/s and ratios; writes CSV
 and a PNG plot to --out.
 
+Timing, the same for every implementation (`time_calls`): one warm-up call
+(compiles), then the median over 5 reps of the mean host time of `--iters`
+back-to-back calls, synchronised once at the end of each rep. "bwd" is
+(forward + backward) minus forward.
+
+Memory of the forward + backward step, in MiB:
+  temp / total  JAX implementations: XLA's buffer assignment of the compiled
+                jitted step (`compile().memory_analysis()`): temp buffers, and
+                arguments + outputs + temp. '-' where XLA does not say.
+  peak          flash-attn-4 (PyTorch): torch.cuda.max_memory_allocated() during
+                one step minus what was allocated before it (inputs and dout
+                already allocated): outputs (dq, dk, dv, out, lse) and every
+                temporary. Compare it with total minus the inputs (q, k, v, dout).
+
     python benchmarks/bench_attention.py [--quick] [--out DIR] [--peers fa4,cudnn,xla]
 """
 
@@ -19,7 +33,11 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for PyTorch
+# XLA grows its pool on demand instead of taking 75% of the GPU at start: PyTorch
+# (flash-attn-4) runs in the same process. main() warns when this was overridden.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Benchmark this checkout's jax_fa4, installed or not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
@@ -42,18 +60,58 @@ def flops(b, h, s, d, causal, direction):
     return f * (2.5 if direction == "bwd" else 1.0)
 
 
-def time_jax(fn, args, iters: int, reps: int = 5) -> float:
-    """Median over reps of the mean time of `iters` back-to-back calls (seconds)."""
-    out = fn(*args)
-    jax.block_until_ready(out)
+def time_calls(call, sync, iters: int, reps: int = 5) -> float:
+    """Median over reps of the mean time of `iters` back-to-back calls (seconds).
+
+    `call()` launches one step; `sync(out)` waits for the device. One warm-up
+    call first (compilation stays out of the numbers). JAX and PyTorch are timed
+    by this same function, so their numbers compare.
+    """
+    out = call()
+    sync(out)
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
+            out = call()
+        sync(out)
         samples.append((time.perf_counter() - t0) / iters)
     return statistics.median(samples)
+
+
+def time_jax(fn, args, iters: int, reps: int = 5) -> float:
+    return time_calls(lambda: fn(*args), jax.block_until_ready, iters, reps)
+
+
+MiB = 2.0**20
+
+
+def xla_memory(jitted, args) -> dict:
+    """{"temp_mib", "total_mib"} of a jitted function's compiled buffers; None where unknown."""
+    mem = {"temp_mib": None, "total_mib": None}
+    try:
+        stats = jitted.lower(*args).compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001 - memory is a side figure; never fail the timing
+        print(f"  memory_analysis failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return mem
+    if isinstance(stats, (list, tuple)):  # one entry per device in some versions
+        stats = stats[0] if stats else None
+    if stats is None:
+        return mem
+
+    def field(name):
+        v = getattr(stats, name, None)
+        return v if isinstance(v, int) and v >= 0 else None
+
+    temp = field("temp_size_in_bytes")
+    parts = (field("argument_size_in_bytes"), field("output_size_in_bytes"), temp)
+    if temp is not None:
+        mem["temp_mib"] = temp / MiB
+    if all(p is not None for p in parts):
+        # Literally arguments + outputs + temp; no buffer is donated here, so
+        # alias_size_in_bytes (bytes counted twice) is 0.
+        mem["total_mib"] = sum(parts) / MiB
+    return mem
 
 
 def jax_impls(peers):
@@ -70,25 +128,40 @@ def jax_impls(peers):
 
 
 def bench_jax(name, attn, q, k, v, causal, iters):
+    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of one JAX implementation."""
     fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal))
     dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
 
-    def _bwd(q, k, v):
+    def _bwd(q, k, v, dout):  # dout is an argument: closed over, it would be a constant in the HLO
         _, pull = jax.vjp(lambda q, k, v: attn(q, k, v, causal), q, k, v)
         return pull(dout)
 
     bwd = jax.jit(_bwd)
     t_fwd = time_jax(fwd, (q, k, v), iters)
-    t_fb = time_jax(bwd, (q, k, v), iters)  # forward + backward
-    return t_fwd, max(t_fb - t_fwd, 1e-9)
+    t_fb = time_jax(bwd, (q, k, v, dout), iters)  # forward + backward
+    mem = xla_memory(bwd, (q, k, v, dout))
+    return t_fwd, max(t_fb - t_fwd, 1e-9), mem
+
+
+def import_fa4_func():
+    """flash-attn-4's flash_attn_func (PyTorch, CuTe DSL kernels)."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:  # older layouts export it from the interface module only
+        from flash_attn.cute.interface import flash_attn_func
+    return flash_attn_func
 
 
 def bench_fa4_torch(q, k, v, causal, iters):
+    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of flash-attn-4 (PyTorch).
+
+    Same data as the JAX implementations (bf16 -> f32 -> bf16 is exact), same
+    timing function; the forward runs with grad enabled, as in training.
+    """
     import numpy as np
     import torch
-    from flash_attn.cute.interface import flash_attn_func
-    from triton.testing import do_bench
 
+    flash_attn_func = import_fa4_func()
     tq, tk, tv = (torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16()
                   .requires_grad_(True) for x in (q, k, v))
 
@@ -99,19 +172,40 @@ def bench_fa4_torch(q, k, v, causal, iters):
     dout = torch.randn_like(fwd())
 
     def fb():
-        torch.autograd.grad(fwd(), (tq, tk, tv), dout)
+        return torch.autograd.grad(fwd(), (tq, tk, tv), dout)
 
-    t_fwd = do_bench(fwd, warmup=100, rep=500, return_mode="median") / 1e3
-    t_fb = do_bench(fb, warmup=100, rep=500, return_mode="median") / 1e3
-    return t_fwd, max(t_fb - t_fwd, 1e-9)
+    sync = lambda _: torch.cuda.synchronize()
+    t_fwd = time_calls(fwd, sync, iters)
+    t_fb = time_calls(fb, sync, iters)  # forward + backward
+    # Peak of one step above what is allocated before it (inputs and dout).
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = fb()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    del grads
+    return t_fwd, max(t_fb - t_fwd, 1e-9), {"peak_mib": peak}
+
+
+def release_torch_memory():
+    """Hand PyTorch's cached blocks back to the driver, so that XLA can grow into them."""
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001 - a failed peer must not stop the JAX cases
+        print(f"  torch.cuda.empty_cache failed: {type(e).__name__}: {e}", flush=True)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="four cases instead of ten")
-    p.add_argument("--out", default="docs/benchmarks")
-    p.add_argument("--peers", default="fa4,cudnn,xla")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default="docs/benchmarks", help="folder for the CSV and the plot")
+    p.add_argument("--peers", default="fa4,cudnn,xla",
+                   help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla")
+    p.add_argument("--iters", type=int, default=20,
+                   help="back-to-back calls per timed rep (5 reps, median)")
     args = p.parse_args(argv)
     peers = set(args.peers.split(",")) if args.peers else set()
     os.makedirs(args.out, exist_ok=True)
@@ -122,11 +216,13 @@ def main(argv=None):
     have_fa4 = False
     if "fa4" in peers:
         try:
-            import flash_attn.cute.interface  # noqa: F401
-
+            import_fa4_func()
             have_fa4 = True
         except Exception as e:  # noqa: BLE001 - the peer is optional
-            print(f"flash-attn-4 not importable, skipping it: {type(e).__name__}: {e}")
+            print(f"flash-attn-4 not importable, skipping it: {type(e).__name__}: {e}", flush=True)
+    if have_fa4 and os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"].lower() not in ("false", "0"):
+        print("warning: XLA_PYTHON_CLIENT_PREALLOCATE is not false: XLA holds most of the GPU "
+              "and PyTorch may run out of memory", flush=True)
     impls = jax_impls(peers)
     for i, (d, s, causal) in enumerate(cases):
         h = HIDDEN // d
@@ -139,40 +235,63 @@ def main(argv=None):
             try:
                 results[name] = bench_jax(name, attn, q, k, v, causal, args.iters)
             except Exception as e:  # noqa: BLE001 - report and continue with the others
-                print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            _print_progress(results[name])
         if have_fa4:
             print(f"[{i + 1}/{len(cases)}] d={d} s={s} causal={causal}: fa4 (torch) ...",
                   flush=True)
             try:
                 results["fa4_torch"] = bench_fa4_torch(q, k, v, causal, args.iters)
             except Exception as e:  # noqa: BLE001
-                print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}")
-        for name, (tf, tb) in results.items():
+                print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            else:
+                _print_progress(results["fa4_torch"])
+            release_torch_memory()  # after the except clause: its traceback held the tensors
+        for name, (tf, tb, mem) in results.items():
             rows.append(dict(
                 impl=name, hdim=d, seqlen=s, causal=causal, batch=b, heads=h,
                 fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
                 fwd_tflops=flops(b, h, s, d, causal, "fwd") / tf / 1e12,
                 bwd_tflops=flops(b, h, s, d, causal, "bwd") / tb / 1e12,
+                **{c: mem.get(c) for c in MEM_COLUMNS},
             ))
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     path = os.path.join(args.out, f"h200_{stamp}.csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()) if rows else ["impl"])
         w.writeheader()
-        w.writerows(rows)
+        # Unknown memory figures are empty fields.
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
     _print_table(rows)
     print(f"versions: jax {jax.__version__}, python {sys.version.split()[0]}; csv: {path}")
     _plot(rows, os.path.join(args.out, f"h200_{stamp}.png"))
     return rows
 
 
+MEM_COLUMNS = ("temp_mib", "total_mib", "peak_mib")
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _print_progress(result):
+    tf, tb, mem = result
+    print(f"  fwd {tf * 1e3:.3f} ms, bwd {tb * 1e3:.3f} ms; fwd+bwd MiB: "
+          + ", ".join(f"{c[:-4]} {_mib(mem.get(c))}" for c in MEM_COLUMNS if c in mem),
+          flush=True)
+
+
 def _print_table(rows):
     key = lambda r: (r["hdim"], r["seqlen"], r["causal"])  # noqa: E731
     cases = sorted({key(r) for r in rows})
     by = {(key(r), r["impl"]): r for r in rows}
-    print("\nTFLOP/s fwd / bwd, and jax_fa4's ratio to each peer")
+    print("\nTFLOP/s fwd / bwd, jax_fa4's ratio to each peer, and MiB of the fwd+bwd step")
+    print("(temp / total: XLA temp buffers / arguments + outputs + temp; "
+          "peak: torch peak above the inputs)")
     print(f"{'hdim':>4} {'seq':>6} {'causal':>6} | {'impl':>9} {'fwd':>7} {'bwd':>7} | "
-          f"{'fwd x':>6} {'bwd x':>6}")
+          f"{'fwd x':>6} {'bwd x':>6} | {'temp':>7} {'total':>7} {'peak':>7}")
     for c in cases:
         ours = by.get((c, "jax_fa4"))
         for impl in ("jax_fa4", "fa4_torch", "cudnn", "xla"):
@@ -183,8 +302,9 @@ def _print_table(rows):
             if ours is not None and impl != "jax_fa4":
                 rf = f"{ours['fwd_tflops'] / r['fwd_tflops']:.2f}"
                 rb = f"{ours['bwd_tflops'] / r['bwd_tflops']:.2f}"
+            mem = " ".join(f"{_mib(r.get(m)):>7}" for m in MEM_COLUMNS)
             print(f"{c[0]:>4} {c[1]:>6} {str(c[2]):>6} | {impl:>9} {r['fwd_tflops']:7.1f} "
-                  f"{r['bwd_tflops']:7.1f} | {rf:>6} {rb:>6}")
+                  f"{r['bwd_tflops']:7.1f} | {rf:>6} {rb:>6} | {mem}")
 
 
 def _plot(rows, path):

@@ -19,7 +19,7 @@ IMPLEMENTATIONS = (None, "cute", "reference")
 # Head dims and dtypes the kernels of each architecture take (q/k head dim, v head dim).
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (128, 128)),
+    "sm_90a": ((64, 64), (128, 128), (256, 256)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
     "sm_100a": ((64, 64), (128, 128)),
 }

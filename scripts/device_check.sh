@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (see ../shared/device/README.md): GPU tests, the
-# example, and the benchmark, with logs under $OUT and a short summary last.
-#   bash scripts/device_check.sh [tests|bench|quick|all] [extra pytest args...]
+# example, the benchmark and the compile-time measurement, with logs under $OUT
+# and a short summary last.
+#   bash scripts/device_check.sh [tests|bench|quick|compile|all] [extra pytest args...]
+# compile: benchmarks/compile_time.py (fresh processes, cold and cached; about 3-4
+# minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
 # Run after `bash .device/install.sh && . /opt/jax_fa4_site/env.sh`.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -23,5 +26,10 @@ if [[ $what == bench || $what == quick || $what == all ]]; then
   flag=""; [[ $what != bench ]] && flag="--quick"
   python benchmarks/bench_attention.py $flag --peers "${PEERS:-fa4,cudnn,xla}" --out "$out" 2>&1 \
     | tee "$out/bench.log" | tail -40
+fi
+if [[ $what == compile || $what == all ]]; then
+  timeout "${COMPILE_TIMEOUT:-540}" python benchmarks/compile_time.py --out "$out" 2>&1 \
+    | tee "$out/compile.log" | tail -25
+  summary+="compile: $(grep -m1 '^csv:' "$out/compile.log" || tail -1 "$out/compile.log")"$'\n'
 fi
 echo "=== summary"; printf "%s" "$summary"

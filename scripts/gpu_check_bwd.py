@@ -9,8 +9,9 @@ jax.numpy here so this script depends only on the main kernel.
 Each kernel configuration is exported once with symbolic B / S / H (jax.export), so
 one compiled binary serves every shape checked; that is the dynamic-extent contract.
 
-Timing: hdim 128 bf16 B=4 S=4096 H=16, causal and not, main kernel alone and with
-the jnp pre/post, against cuDNN's backward (jax.nn.dot_product_attention).
+Timing: bf16, hdim 128 (B=4 S=4096 H=16) and 64 (B=2 S=8192 H=32), causal and not,
+main kernel alone and with the jnp pre/post, against cuDNN's backward
+(jax.nn.dot_product_attention).
 
 Usage (device): python scripts/gpu_check_bwd.py [--quick] [--no-time]
 Logs go to $OUT (or /tmp) as gpu_check_bwd.log; a short table is printed last.
@@ -48,10 +49,8 @@ def round_up(x, m):
 def make_tiles(d, causal, variant):
     """The kernel's own tile table, with a knob flipped for A/B variants."""
     tiles = bwd_tiles(d, causal)
-    if variant == "plain":
-        tiles = dataclasses.replace(tiles, overlap_dv=False)
-    elif variant == "overlap":
-        tiles = dataclasses.replace(tiles, overlap_dv=True)
+    if variant.startswith("m"):  # m64 / m128: another query tile
+        tiles = dataclasses.replace(tiles, tile_m=int(variant[1:]))
     return tiles
 
 
@@ -85,7 +84,7 @@ def exported_kernel(dtype, d, causal, scale, variant="default"):
     sds = jax.ShapeDtypeStruct
     args = [sds((b, sq, hq, d), dtype), sds((b, sk, hkv, d), dtype),
             sds((b, sk, hkv, d), dtype), sds((b, sq, hq, d), dtype),
-            sds((b, hq, sq), jnp.float32), sds((b, hq, sq), jnp.float32),
+            sds((b, hq, sqp), jnp.float32), sds((b, hq, sqp), jnp.float32),
             sds((b, hq, sqp, d), jnp.float32)]
     t0 = time.time()
     exp = export.export(jax.jit(kernel_call(dtype, d, causal, scale, variant)),
@@ -112,6 +111,13 @@ def attention(q, k, v, scale, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
+def pad_stats(dpsum, lse_log2):
+    """The workspaces' Sq_pad rows: Dpsum 0 and LSElog2 +inf past Sq (bwd_preprocess)."""
+    pad = round_up(dpsum.shape[-1], 128) - dpsum.shape[-1]
+    widths = ((0, 0), (0, 0), (0, pad))
+    return (jnp.pad(dpsum, widths), jnp.pad(lse_log2, widths, constant_values=jnp.inf))
+
+
 def make_runner(kcall, scale, causal):
     @jax.jit
     def run(q, k, v, do):
@@ -124,8 +130,8 @@ def make_runner(kcall, scale, causal):
         # jnp preprocess: what bwd_preprocess.py computes.
         o = o32.astype(q.dtype)
         dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
-        lse_log2 = lse32 * LOG2_E
         bsz, sq, hq, d = q.shape
+        dpsum, lse_log2 = pad_stats(dpsum, lse32 * LOG2_E)
         dq_accum = jnp.zeros((bsz, hq, round_up(sq, 128), d), jnp.float32)
         dq_accum, dk, dv = kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
         # jnp postprocess: what bwd_postprocess.py computes.
@@ -175,14 +181,16 @@ def bench(fn, args, iters=20, samples=7):
     return float(np.median(ts))
 
 
-def time_one(kcall, causal, rows, variant):
-    b, s, h, d = 4, 4096, 16, 128
+def time_one(kcall, causal, rows, variant, d=128):
+    # The benchmark family: 16k tokens, hidden 2048.
+    b, s, h = (4, 4096, 16) if d == 128 else (2, 8192, 32)
     dtype = jnp.bfloat16
     scale = 1.0 / math.sqrt(d)
     ks = jax.random.split(jax.random.PRNGKey(7), 4)
     q, k, v, do = [jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks]
     lse_log2 = jax.random.normal(ks[0], (b, h, s), jnp.float32) + 10.0
     dpsum = jax.random.normal(ks[1], (b, h, s), jnp.float32)
+    dpsum, lse_log2 = pad_stats(dpsum, lse_log2)
     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
 
     @jax.jit
@@ -194,7 +202,7 @@ def time_one(kcall, causal, rows, variant):
     def full(q, k, v, do, o, lse):
         dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
         dq_accum = jnp.zeros((b, h, round_up(s, 128), d), jnp.float32)
-        dq_accum, dk, dv = kcall(q, k, v, do, lse * LOG2_E, dpsum, dq_accum)
+        dq_accum, dk, dv = kcall(q, k, v, do, lse, dpsum, dq_accum)
         dq = (scale * dq_accum[:, :, :s]).transpose(0, 2, 1, 3).astype(q.dtype)
         return dq, dk, dv
 
@@ -210,19 +218,19 @@ def time_one(kcall, causal, rows, variant):
     except Exception as e:  # cuDNN missing is a result to report, not a crash
         log.warning("cuDNN backward unavailable: %s", e)
         t_cudnn = float("nan")
-    rows.append((f"time {variant} d128 bf16 B4 S4096 H16 c{int(causal)}",
+    rows.append((f"time {variant} d{d} bf16 B{b} S{s} H{h} c{int(causal)}",
                  f"main {t_main * 1e3:.3f} ms {flops / t_main / 1e12:.0f} TF/s | "
                  f"main+jnp pre/post {flops / t_full / 1e12:.0f} TF/s | "
                  f"cuDNN bwd {t_cudnn * 1e3:.3f} ms {flops / t_cudnn / 1e12:.0f} TF/s"))
     log.info("%s", rows[-1])
 
 
-def timing(make_kcall, rows, variants):
-    d = 128
-    for variant in variants:
-        for causal in (False, True):
-            kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
-            time_one(kcall, causal, rows, variant)
+def timing(make_kcall, rows, variants, head_dims=(128, 64)):
+    for d in head_dims:
+        for variant in variants:
+            for causal in (False, True):
+                kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
+                time_one(kcall, causal, rows, variant, d)
 
 
 def main():
@@ -234,7 +242,7 @@ def main():
     ap.add_argument("--seqlens", default=None,
                     help="comma-separated SqxSk pairs, e.g. 17x17,113x203")
     ap.add_argument("--variants", default="default",
-                    help="comma-separated: default (the tile table), overlap, plain")
+                    help="comma-separated: default (the tile table), m64, m128 (query tile)")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

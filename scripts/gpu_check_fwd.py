@@ -8,8 +8,11 @@ plus a small atol. Output buffers are prefilled with NaN (aliased inputs), so
 an unwritten element fails. Then times hdim 128 bf16 B=4 S=4096 H=16 (causal
 and not) against cuDNN via jax.nn.dot_product_attention.
 
+--hdim256 checks head dim 256 only (tile 128 x 80, not yet run on a GPU when
+it was added) and times it at B=2 S=8192 H=8 (16k tokens, hidden 2048).
+
 Usage: python scripts/gpu_check_fwd.py [--quick] [--no-time] [--no-check] [--serial] [--wide]
-       [--hdim64]
+       [--hdim64 | --hdim256]
 Writes a log to $OUT/fwd_check.log when OUT is set, else ./fwd_check.log.
 """
 
@@ -26,12 +29,14 @@ import time
 import traceback
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# Importable from a plain checkout: python scripts/gpu_check_fwd.py.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax
-import jax.numpy as jnp
-from cutlass.jax import TensorSpec, cutlass_call
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from cutlass.jax import TensorSpec, cutlass_call  # noqa: E402
 
-from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles
+from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles  # noqa: E402
 
 log = logging.getLogger("gpu_check_fwd")
 
@@ -180,14 +185,22 @@ def main() -> int:
     ap.add_argument("--wide", action="store_true", help="also time tile_n = 176")
     ap.add_argument("--no-check", action="store_true", help="timing only")
     ap.add_argument(
-        "--wg3",
+        "--wg2",
         action="store_true",
-        help="check (hdim 64 only) and time 192 x 128 tiles with 3 consumer WGs",
+        help="check (hdim 64 only) and time 128 x 128 tiles with 2 consumer WGs",
     )
     ap.add_argument(
         "--hdim64", action="store_true", help="time hdim 64 (B=2 S=8192 H=32) instead of hdim 128"
     )
+    ap.add_argument(
+        "--hdim256",
+        action="store_true",
+        help="check hdim 256 only (instead of 128 and 64) and time it (B=2 S=8192 H=8)",
+    )
     args = ap.parse_args()
+    if args.hdim256 and (args.hdim64 or args.wg2 or args.wide):
+        # tile_n 176 or 3 consumer warpgroups do not fit hdim 256 in SMEM / registers.
+        ap.error("--hdim256 does not combine with --hdim64, --wg2 or --wide")
     out_dir = os.environ.get("OUT", ".")
     logging.basicConfig(
         level=logging.INFO,
@@ -200,27 +213,31 @@ def main() -> int:
     log.info("jax %s, devices %s", jax.__version__, jax.devices())
     key = jax.random.PRNGKey(0)
     rows = []
-    configs = [(dn, d, c) for d in (128, 64) for dn in ("bf16", "fp16") for c in (False, True)]
+    d_main = 256 if args.hdim256 else 128  # gets the full shape list and the serial variant
+    head_dims = (256,) if args.hdim256 else (128, 64)
+    configs = [(dn, d, c) for d in head_dims for dn in ("bf16", "fp16") for c in (False, True)]
     variants = [("overlap", None)]
     if args.serial:
-        t = fwd_tiles(128, 128, False)
+        t = fwd_tiles(d_main, d_main, False)
         variants.append(("serial", dataclasses.replace(t, intra_wg_overlap=False)))
-    t64 = fwd_tiles(64, 64, False)
-    wg3 = dataclasses.replace(
-        t64, tile_m=192, num_consumer_wg=3, consumer_regs=160, producer_regs=32
+    # The 2-consumer-warpgroup 128 x 128 tile: the hdim 64 default before the
+    # 3-warpgroup 192 x 128 one.
+    wg2 = dataclasses.replace(
+        fwd_tiles(64, 64, False), tile_m=128, num_consumer_wg=2, consumer_regs=240,
+        producer_regs=24
     )
-    if args.wg3:
-        variants = [("wg3", wg3)]
+    if args.wg2:
+        variants = [("wg2", wg2)]
     n_fail = 0
     for vname, tiles in variants if not args.no_check else []:
         for dn, d, causal in configs:
-            if vname == "serial" and (dn, d) != ("bf16", 128):
+            if vname == "serial" and (dn, d) != ("bf16", d_main):
                 continue  # the fallback variant: one config is enough
-            if vname == "wg3" and d != 64:
+            if vname == "wg2" and d != 64:
                 continue
-            full = not args.quick and dn == "bf16" and d == 128 and vname == "overlap"
+            full = not args.quick and dn == "bf16" and d == d_main and vname == "overlap"
             shapes = SHAPES_FULL if full else SHAPES_SHORT
-            if vname == "wg3" and dn == "fp16":
+            if vname == "wg2" and dn == "fp16":
                 shapes = shapes[-1:]  # keep the device run short: bf16 covers the shapes
             for shape in shapes:
                 key, sub = jax.random.split(key)
@@ -242,14 +259,19 @@ def main() -> int:
                 rows.append((tag, status))
     perf = []
     if not args.no_time:
-        d_t = 64 if args.hdim64 else 128
-        size = dict(b=2, s=8192, h=32, d=64) if args.hdim64 else dict(b=4, s=4096, h=16, d=128)
+        if args.hdim256:
+            size = dict(b=2, s=8192, h=8, d=256)
+        elif args.hdim64:
+            size = dict(b=2, s=8192, h=32, d=64)
+        else:
+            size = dict(b=4, s=4096, h=16, d=128)
+        d_t = size["d"]
         base = fwd_tiles(d_t, d_t, False)
         timed = [("default", None, True)]
         if args.serial:
             timed.append(("serial", dataclasses.replace(base, intra_wg_overlap=False), False))
-        if args.wg3:
-            timed.append(("wg3", wg3, False))
+        if args.wg2:
+            timed.append(("wg2", wg2, False))
         if args.wide:
             timed.append(("n176", dataclasses.replace(base, tile_n=176), False))
         for vname, tiles, with_cudnn in timed:

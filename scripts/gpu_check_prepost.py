@@ -90,6 +90,11 @@ def check_one(dtype, head_dim: int, seqlen: int, batch: int = 2, heads: int = 3)
 
     pre = jax.jit(preprocess_call(dtype, head_dim, batch, seqlen, heads))
     dpsum, lse2, acc0 = pre(o, do, lse, dlse, *poison)
+    # Padding rows past Sq: Dpsum 0, LSElog2 +inf (so the main kernel's P is 0).
+    if not (bool(jnp.all(dpsum[..., seqlen:] == 0.0))
+            and bool(jnp.all(lse2[..., seqlen:] == jnp.inf))):
+        fails.append("Dpsum / LSElog2 padding rows not 0 / +inf")
+    dpsum, lse2 = dpsum[..., :seqlen], lse2[..., :seqlen]
 
     ref = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     low = jnp.sum(o * do, axis=-1, dtype=dtype).transpose(0, 2, 1) - dlse.astype(dtype)

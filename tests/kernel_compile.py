@@ -67,7 +67,7 @@ def bwd_structs(b, sq, sk, hq, hkv, d, dtype):
     sq_pad = (sq + 127) // 128 * 128
     q = sds((b, sq, hq, d), dtype)
     kv = sds((b, sk, hkv, d), dtype)
-    stat = sds((b, hq, sq), jnp.float32)
+    stat = sds((b, hq, sq_pad), jnp.float32)  # LSElog2 / Dpsum, padded like dQaccum
     dq_accum = sds((b, hq, sq_pad, d), jnp.float32)
     return (q, kv, kv, q, stat, stat, dq_accum), (dq_accum, kv, kv), {6: 0}
 

@@ -54,6 +54,23 @@ def test_forward_and_backward_lower_for_cuda(monkeypatch, arch, d, causal, dtype
     assert "stablehlo.transpose" not in bwd
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hdim256_lowers_for_sm90_only(monkeypatch, causal):
+    """hdim 256 has sm_90a kernels (forward, and the wide backward) and none for sm_100a."""
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    structs = _structs(2, 113, 203, 4, 2, 256, jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(jax_fa4.attention(q, k, v, causal=causal, implementation="cute"))
+
+    bwd = _lower(jax.grad(loss, argnums=(0, 1, 2)), *structs)
+    assert bwd.count(CALL) == 4
+    assert "stablehlo.transpose" not in bwd
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
+    with pytest.raises(ValueError, match="head dims"):
+        _lower(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"), *structs)
+
+
 def test_one_binary_serves_every_shape(monkeypatch):
     """A kernel configuration compiles once; new batch / sequence / head counts reuse it."""
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")

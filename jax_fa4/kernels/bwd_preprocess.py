@@ -45,15 +45,19 @@ def bwd_workspace_shapes(
 
     Returns:
       name -> (shape, dtype) for
-        Dpsum   (B, Hq, Sq)          f32: rowsum(dO * O) - dLSE
-        LSElog2 (B, Hq, Sq)          f32: LSE * log2(e)
+        Dpsum   (B, Hq, Sq_pad)      f32: rowsum(dO * O) - dLSE; 0 past Sq
+        LSElog2 (B, Hq, Sq_pad)      f32: LSE * log2(e); +inf past Sq
         dQaccum (B, Hq, Sq_pad, D)   f32: zeroed here, Sq_pad = round_up(Sq, 128)
+
+    The statistics are padded like dQaccum so that a main kernel can load a whole
+    block of them with one aligned bulk copy, and so that padding queries get
+    P = exp2(s - inf) = 0 without a bounds test.
     """
     f32 = np.dtype(np.float32)
     seqlen_q_pad = _round_up(seqlen_q, SEQLEN_Q_PAD)
     return {
-        "Dpsum": ((batch, heads_q, seqlen_q), f32),
-        "LSElog2": ((batch, heads_q, seqlen_q), f32),
+        "Dpsum": ((batch, heads_q, seqlen_q_pad), f32),
+        "LSElog2": ((batch, heads_q, seqlen_q_pad), f32),
         "dQaccum": ((batch, heads_q, seqlen_q_pad, head_dim), f32),
     }
 
@@ -190,8 +194,8 @@ class FlashBwdPreprocess:
         mdO: cute.Tensor,  # (B, Sq, Hq, Dv) same dtype
         mLSE: cute.Tensor,  # (B, Hq, Sq) f32, natural log
         mdLSE: cute.Tensor,  # (B, Hq, Sq) f32, cotangent of LSE
-        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32, out
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32, out
+        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed
     ):
         if const_expr(mO.element_type != self.dtype or mdO.element_type != self.dtype):
@@ -280,14 +284,16 @@ class FlashBwdPreprocess:
         tZrZ.fill(0.0)
         cute.copy(copy_zero, tZrZ, tZgZ)
 
-        # LSE in base 2: one thread per row, coalesced.
-        if tidx < tile_m and tidx < rows_left:
+        # LSE in base 2: one thread per row, coalesced; +inf on padding rows.
+        if tidx < tile_m:
             row = m_block * tile_m + tidx
-            lse = mLSE[row, head, batch]
-            # A row that saw no key has LSE = -inf; 0 keeps the main kernel's
-            # exp2(s - LSElog2) at 0 instead of NaN. Cannot happen with Sk >= 1
-            # and top-left causal masking, but costs nothing.
-            lse_log2 = lse * _LOG2_E if lse != -Float32.inf else Float32(0.0)
+            lse_log2 = Float32.inf
+            if tidx < rows_left:
+                lse = mLSE[row, head, batch]
+                # A row that saw no key has LSE = -inf; 0 keeps the main kernel's
+                # exp2(s - LSElog2) at 0 instead of NaN. Cannot happen with Sk >= 1
+                # and top-left causal masking, but costs nothing.
+                lse_log2 = lse * _LOG2_E if lse != -Float32.inf else Float32(0.0)
             mLSElog2[row, head, batch] = lse_log2
 
         # Row sums of dO * O in fp32: within a thread, then across the row's lanes.
@@ -300,12 +306,14 @@ class FlashBwdPreprocess:
                 acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1 << i)
             dpsum[m] = acc
 
-        # The first lane of each row writes it; Dpsum has exactly Sq rows.
+        # The first lane of each row writes it; padding rows (O, dO zero) get 0.
         if tOcO[0][1] == 0:
             for m in cutlass.range_constexpr(num_m):
+                row = m_block * tile_m + tOcO[0, m, 0][0]
+                val = dpsum[m]
                 if t0OcO[0, m, 0][0] < row_limit:
-                    row = m_block * tile_m + tOcO[0, m, 0][0]
-                    mDpsum[row, head, batch] = dpsum[m] - mdLSE[row, head, batch]
+                    val = val - mdLSE[row, head, batch]
+                mDpsum[row, head, batch] = val
 
 
 __all__ = [

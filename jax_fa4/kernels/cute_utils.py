@@ -45,3 +45,57 @@ def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 wgmma accumulator as the register A operand of a following wgmma.
+
+    acc ((2, 2, V), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (V / 2, MMA_N)): a k16
+    slice of A is two adjacent 8-column groups of the accumulator, so V splits
+    into pairs.
+    """
+    div = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    shp, std = div.shape, div.stride
+    layout = cute.make_layout(
+        ((shp[0][0], shp[0][1], shp[0][2][0]), shp[1], (shp[0][2][1], shp[2])),
+        stride=((std[0][0], std[0][1], std[0][2][0]), std[1], (std[0][2][1], std[2])),
+    )
+    return cute.make_tensor(acc.iterator, layout)
+
+
+def convert_to_operand_a(acc: cute.Tensor, frag_a: cute.Tensor, dtype) -> None:
+    """Write an fp32 accumulator into a 16-bit register A fragment of a following wgmma.
+
+    One k16 slice at a time: 8-element vectors lower to paired cvt.rn.{bf16x2,f16x2}.
+    Converting a whole fragment whose size is not a power of two (e.g. 40 values at
+    tile_n 80) went element-wise, and ptxas then placed the packing moves between
+    the consuming wgmmas and serialised them (C7519).
+    """
+    view = acc_as_operand_a(acc)
+    for k in range(cute.size(frag_a, mode=[2])):  # traced inline: a static Python loop
+        frag_a[None, None, k].store(view[None, None, k].load().to(dtype))
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
+               tCrB: cute.Tensor, zero_init: cutlass.Constexpr[bool]):
+    """Issue one warpgroup GEMM over the whole K extent of the fragments (and all
+    of its M / N atoms) and commit it as one wgmma group."""
+    warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE field is mutated below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+def stat_rows_view(t: cute.Tensor, row_multiple: int) -> cute.Tensor:
+    """(B, Hq, Sq_pad) f32 row statistics -> (Sq_pad, Hq, B) for 1-D TMA boxes along
+    the sequence. Sq_pad is declared a multiple of ``row_multiple`` so that the
+    compiler can prove the 16-byte aligned strides TMA needs."""
+    b, h = t.shape[0], t.shape[1]
+    s = cute.assume(t.shape[2], divby=row_multiple)
+    head_stride = cute.assume(cutlass.Int64(s) * h, divby=row_multiple)
+    return cute.make_tensor(t.iterator, cute.make_layout((s, h, b), stride=(1, s, head_stride)))

@@ -7,29 +7,38 @@ partials (sum over this CTA's keys of dS K) are reduce-added into the fp32
 accumulator by TMA.
 
 Warp roles (384 threads):
-  warpgroup 0   warp 0: TMA loads (K, V once; Q and dO per query block)
+  warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
+                        query block, one pipeline stage each)
                 warp 1: TMA reduce-add of the dQ partial tile into mdQaccum
   warpgroups 1-2: the five GEMMs (wgmma) and the pointwise softmax backward
 
-Per query block, both MMA warpgroups together compute
-  S  = Q K^T,   P = exp2(S * scale * log2(e) - LSElog2)      (tile_m x tile_n)
-  dP = dO V^T,  dS = P * (dP - Dpsum)
-  dV += P^T dO, dK += dS^T Q,  dQ_partial = dS K
-with P and dS staged through shared memory in the input dtype, because dV, dK and
-dQ read them as the A operand in transposed and plain orientation.
+Per query block the MMA warpgroups compute the transposed scores, each warpgroup
+for its own 64 keys (Note [Transposed scores]):
+  S^T  = K Q^T,  P^T = exp2(S^T * scale * log2(e) - LSElog2)   (tile_n x tile_m)
+  dP^T = V dO^T, dS^T = P^T * (dP^T - Dpsum)
+  dV  += P^T dO   (A operand P^T from registers)
+  dK  += dS^T Q   (A operand dS^T from registers)
+  dQ   = dS K     (dS from shared memory: every warpgroup needs all keys)
 
-Order within one query block (overlap_dv, the default): S and dP issued together;
-P = exp2(...) while dP runs; each warpgroup stores its own 64 columns of P and
-issues its dV GEMM at once (it reads only those columns), then computes dS while
-dV runs; after a barrier over both warpgroups, dQ (first, so its SMEM hand-off to
-the dQ warp overlaps the rest) and dK.
+Order within one query block: S^T and dP^T issued together; P^T while dP^T runs;
+dV issued at once and runs during dS^T; dS^T stored to SMEM (double buffered);
+one barrier over both warpgroups; dQ then dK issued; the dQ partial goes to the
+dQ warp through SMEM while dK still runs.
+
+Note [Transposed scores]: with S^T a warpgroup's accumulator rows are its own
+keys, which are exactly the rows of its dV and dK tiles, so P^T and dS^T feed
+those GEMMs straight from registers as the A operand (FA3's SdP_swapAB). Only dS
+goes through shared memory (for dQ, which reduces over all keys of the block),
+and P never does. The price: each thread's columns are queries, so it reads
+LSElog2 and Dpsum per column from shared memory (staged by the load warp).
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
-rows past seqlen_k. Rows past seqlen_q get LSElog2 = +inf, so P = exp2(-inf) = 0
-and with it dS = 0: they add exact zeros to dV, dK and to the padding rows of
-dQaccum (whose Sq_pad rows make each 64-row tile reduce in bounds). Columns past
-seqlen_k (and right of the causal diagonal) are set to P = 0 explicitly; their
-dK/dV rows are never stored (predicated epilogue).
+rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones
+past seqlen_q set to +inf / 0 by the preprocess kernel, so P = exp2(-inf) = 0
+there and with it dS = 0: those queries add exact zeros to dV, dK and to the
+padding rows of dQaccum. Keys past seqlen_k (and, causal, keys after the query)
+get S = -inf, hence P = 0, in the blocks that contain any; their dK/dV rows are
+never stored (predicated epilogue).
 """
 
 import logging
@@ -43,73 +52,51 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_fa4.kernels.cute_utils import permute, sm90_smem_layout, transpose_smem
+from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
+from jax_fa4.kernels.cute_utils import (
+    convert_to_operand_a,
+    permute,
+    sm90_smem_layout,
+    stat_rows_view,
+    transpose_smem,
+    wgmma_gemm,
+)
+from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
 
 LOG2_E = math.log2(math.e)
 
 # Named hardware barriers (0 is __syncthreads).
-_BAR_PDS = 1  # both MMA warpgroups: P/dS fully written, or fully consumed
+_BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM
 _BAR_DQ_FULL = 2  # MMA warpgroups -> dQ warp: the dQ partial tile is in SMEM
 _BAR_DQ_EMPTY = 3  # dQ warp -> MMA warpgroups: the dQ SMEM tile may be overwritten
-_BAR_P_WG0 = 4  # (4, 5) one MMA warpgroup: its columns of P are in SMEM
 
 
 @dataclass(frozen=True)
 class BwdTiles:
     """Tuning knobs of the sm90 backward kernel (one row of the table below)."""
 
-    tile_m: int  # query rows per block
-    tile_n: int  # key rows per CTA
-    stages_qdo: int  # Q/dO SMEM pipeline depth
+    tile_m: int  # query rows per block (64 or 128)
+    tile_n: int  # key rows per CTA (64 per MMA warpgroup)
+    stages_qdo: int  # Q/dO/LSE/Dpsum SMEM pipeline depth
     regs_producer: int  # setmaxnreg for the load/store warpgroup
     regs_mma: int  # setmaxnreg for each MMA warpgroup
-    overlap_dv: bool = True  # issue dV = P^T dO before computing dS (needs tile_m == 64)
 
 
 def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
-    """The tile table, keyed by head dim (FA3's sm90 backward choices, adapted)."""
-    del causal  # same tiles for now; causal skips blocks instead
+    """The tile table, keyed by head dim (FA3's sm90 backward choices, adapted).
+
+    hdim 64: 128 x 128 (S^T per warpgroup 64 x 128, dK/dV 64 x 64 each);
+    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each). Both keep about 224 of
+    the 240 registers of an MMA thread live at the peak.
+    """
+    del causal  # same tiles; causal skips whole blocks and masks the diagonal ones
     if head_dim <= 64:
-        return BwdTiles(tile_m=64, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240)
+        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240)
     if head_dim <= 128:
         return BwdTiles(tile_m=64, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240)
     raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
-
-
-
-
-
-
-
-
-def _rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """View an sm90 accumulator partition ((2, 2, V), MMA_M, MMA_N) as (rows, cols).
-
-    In a wgmma accumulator the second `2` steps 8 rows and MMA_M steps 64 rows;
-    the first `2`, V and MMA_N step columns."""
-    idx = cute.make_layout(t.layout.shape)
-    shp, std = idx.shape, idx.stride
-    mn = cute.make_layout(
-        ((shp[0][1], shp[1]), (shp[0][0], shp[0][2], shp[2])),
-        stride=((std[0][1], std[1]), (std[0][0], std[0][2], std[2])),
-    )
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-
-@cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue one warpgroup GEMM over the whole K extent of the fragments and commit it."""
-    warpgroup.fence()
-    # A fresh atom per call: its ACCUMULATE field is mutated below.
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
 
 
 class FlashBwdSm90:
@@ -149,34 +136,36 @@ class FlashBwdSm90:
         self.num_mma_wg = 2
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 + self.num_mma_threads
-        # How the two MMA warpgroups split each GEMM's output tile.
-        # S/dP (tile_m x tile_n): along m when there are two 64-row atoms, else along n.
-        self.wg_m_sdp = min(self.tile_m // 64, self.num_mma_wg)
-        # dK/dV (tile_n x d): along n (each warpgroup owns 64 keys).
-        self.wg_n_dkv = self.num_mma_wg
-        # dQ (tile_m x d): like S.
-        self.wg_m_dq = self.wg_m_sdp
-        assert self.tile_n == 64 * self.wg_n_dkv
-        # overlap_dv relies on warpgroup w owning S columns [64w, 64w + 64), which
-        # are exactly the P^T rows of its dV tile.
-        assert not t.overlap_dv or self.wg_m_sdp == 1
+        if self.tile_n != 64 * self.num_mma_wg:
+            raise ValueError("tile_n must be 64 keys per MMA warpgroup")
+        if self.tile_m not in (64, 128) or SEQLEN_Q_PAD % self.tile_m:
+            raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
+        # dQ = dS K (tile_m x d): split along m when there are two 64-row atoms,
+        # else along d.
+        self.wg_m_dq = self.tile_m // 64
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
         d, dv = self.head_dim, self.head_dim_v
+        tm = self.tile_m
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        wg_n_sdp = self.num_mma_wg // self.wg_m_sdp
+        wg = self.num_mma_wg
+        # S^T = K Q^T and dP^T = V dO^T: A (tile_n x d) and B (tile_m x d), K-major.
         mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, K, Float32, (self.wg_m_sdp, wg_n_sdp, 1),
-            (64, self.tile_n // wg_n_sdp))
+            self.dtype, self.dtype, K, K, Float32, (wg, 1, 1), (64, tm))
+        # dK += dS^T Q, dV += P^T dO: A from registers, B = Q^T / dO^T MN-major.
         mma_dk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (self.wg_n_dkv, 1, 1), (64, d))
+            self.dtype, self.dtype, K, MN, Float32, (wg, 1, 1), (64, d),
+            a_source=warpgroup.OperandSource.RMEM)
         mma_dv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (self.wg_n_dkv, 1, 1), (64, dv))
-        wg_n_dq = self.num_mma_wg // self.wg_m_dq
+            self.dtype, self.dtype, K, MN, Float32, (wg, 1, 1), (64, dv),
+            a_source=warpgroup.OperandSource.RMEM)
+        # dQ = dS K: A = dS (tile_m x tile_n) MN-major (SMEM holds dS^T),
+        # B = K^T (d x tile_n) MN-major.
+        wg_n_dq = wg // self.wg_m_dq
         mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K, MN, Float32, (self.wg_m_dq, wg_n_dq, 1),
+            self.dtype, self.dtype, MN, MN, Float32, (self.wg_m_dq, wg_n_dq, 1),
             (64, d // wg_n_dq))
         return mma_sdp, mma_dk, mma_dv, mma_dq
 
@@ -188,8 +177,8 @@ class FlashBwdSm90:
         mK: cute.Tensor,  # (B, Sk, Hkv, D)
         mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
         mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32, LSE * log2(e)
-        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32, rowsum(dO * O) - dLSE
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, LSE * log2(e); +inf past Sq
+        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, rowsum(dO * O) - dLSE; 0 past Sq
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
@@ -209,6 +198,8 @@ class FlashBwdSm90:
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mdQaccum = permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
+        # (Sq_pad, Hq, B)
+        mLSElog2, mDpsum = [stat_rows_view(t, SEQLEN_Q_PAD) for t in (mLSElog2, mDpsum)]
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
 
@@ -216,8 +207,10 @@ class FlashBwdSm90:
         sdO_layout = sm90_smem_layout(self.dtype, tm, dv, st)
         sK_layout = sm90_smem_layout(self.dtype, tn, d, None)
         sV_layout = sm90_smem_layout(self.dtype, tn, dv, None)
-        sPdS_layout = sm90_smem_layout(self.dtype, tm, tn, None)
+        # dS^T (tile_n x tile_m, queries contiguous), double buffered.
+        sdS_layout = sm90_smem_layout(self.dtype, tn, tm, 2)
         sdQ_layout = sm90_smem_layout(Float32, tm, d, None)
+        sRow_layout = cute.make_layout((tm, st))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, gmem_Q = cpasync.make_tiled_tma_atom(
@@ -226,11 +219,16 @@ class FlashBwdSm90:
             tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv))
         tma_K, gmem_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (tn, d))
         tma_V, gmem_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (tn, dv))
+        tma_LSE, gmem_LSE = cpasync.make_tiled_tma_atom(
+            tma_load, mLSElog2, cute.make_layout(tm), (tm,))
+        tma_Dpsum, gmem_Dpsum = cpasync.make_tiled_tma_atom(
+            tma_load, mDpsum, cute.make_layout(tm), (tm,))
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (tm, d))
 
         bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-                     + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])))
+                     + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
+                     + 2 * tm * 4)
         bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout)
                     + cute.size_in_bytes(self.dtype, sV_layout))
 
@@ -238,23 +236,23 @@ class FlashBwdSm90:
         class SharedStorage:
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
             sdS: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mLSElog2, mDpsum, mdK, mdV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout,
+            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, mdK, mdV,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
         ).launch(
             grid=grid,
@@ -272,22 +270,25 @@ class FlashBwdSm90:
         mK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
         mV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
         mdO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
+        mLSElog2: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
+        mDpsum: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
         mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
-        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
         mdK: cute.Tensor,  # (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # (Sk, Dv, Hkv, B)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
         tma_dO: cute.CopyAtom,
+        tma_LSE: cute.CopyAtom,
+        tma_Dpsum: cute.CopyAtom,
         tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sPdS_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout,
+        sRow_layout: cute.Layout,
         mma_sdp: cute.TiledMma,
         mma_dk: cute.TiledMma,
         mma_dv: cute.TiledMma,
@@ -303,10 +304,10 @@ class FlashBwdSm90:
         n_block, head_kv, batch = cute.arch.block_idx()
 
         if warp_idx == 0:
-            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_dQ):
+            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.memory.SmemAllocator()
+        smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
@@ -326,9 +327,10 @@ class FlashBwdSm90:
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
-        sdS = storage.sdS.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sDpsum = storage.sDpsum.get_tensor(sRow_layout)
 
         # The work list of this CTA: every (q head of the group, query block) pair
         # that can see at least one key of this block.
@@ -345,7 +347,8 @@ class FlashBwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_Q, tma_K, tma_V, tma_dO,
+                self.load(mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+                          tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
                           pipe_qdo, pipe_kv, n_block, head_kv, batch, group,
                           m_block_min, num_m, num_iters)
             if warp_idx == 1:
@@ -353,16 +356,18 @@ class FlashBwdSm90:
                               m_block_min, num_m, num_iters)
         else:
             cute.arch.setmaxregister_increase(self.tiles.regs_mma)
-            self.mma(mLSElog2, mDpsum, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ,
+            self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
                      mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
-                     tidx - 128, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                     tidx - 128, n_block, head_kv, batch, seqlen_q, seqlen_k,
                      m_block_min, num_m, num_iters)
 
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_Q, tma_K, tma_V, tma_dO,
+    def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
              pipe_qdo, pipe_kv, n_block, head_kv, batch, group, m_block_min, num_m,
              num_iters):
-        """Warp 0: K and V of this block once, then Q and dO per work item."""
+        """Warp 0: K and V of this block once, then Q, dO and their row statistics
+        per work item."""
         tm, tn = self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
@@ -387,17 +392,27 @@ class FlashBwdSm90:
             head_q = head_kv * group + h_off
             gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
+            gLSE = cute.local_tile(mLSElog2[None, head_q, batch], (tm,), (None,))
+            gDpsum = cute.local_tile(mDpsum[None, head_q, batch], (tm,), (None,))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                 cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(
                 tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
                 cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(
+                tma_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
+                cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(
+                tma_Dpsum, 0, cute.make_layout(1), cute.group_modes(sDpsum, 0, 1),
+                cute.group_modes(gDpsum, 0, 1))
             pipe_qdo.producer_acquire(state)
             bar = pipe_qdo.producer_get_barrier(state)
-            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                      tma_bar_ptr=bar)
+            s = state.index
+            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, s], tma_bar_ptr=bar)
+            cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, s], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
+            cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
             state.advance()
 
     @cute.jit
@@ -424,9 +439,9 @@ class FlashBwdSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def mma(self, mLSElog2, mDpsum, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ,
+    def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
             mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
-            tidx, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+            tidx, n_block, head_kv, batch, seqlen_q, seqlen_k,
             m_block_min, num_m, num_iters):
         """MMA warpgroups: all GEMMs and the pointwise math; dK/dV epilogue."""
         tm, tn = self.tile_m, self.tile_n
@@ -445,19 +460,18 @@ class FlashBwdSm90:
         thr_dv = mma_dv.get_slice(tidx)
         thr_dq = mma_dq.get_slice(tidx)
 
-        # S = Q K^T and dP = dO V^T: A (tile_m x d) and B (tile_n x d) both K-major.
-        tSrQ = mma_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = mma_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = mma_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = mma_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        # dV += P^T dO: A = P^T (tile_n x tile_m), B = dO^T (dv x tile_m), both MN-major.
-        tdVrPt = mma_dv.make_fragment_A(wg_dv.partition_A(transpose_smem(sP)))
+        # S^T = K Q^T and dP^T = V dO^T.
+        tSrK = mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = mma_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T / Q^T (MN-major).
+        tdVrP = mma_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
         tdVrdOt = mma_dv.make_fragment_B(wg_dv.partition_B(transpose_smem(sdO)))
-        # dK += dS^T Q: A = dS^T (tile_n x tile_m), B = Q^T (d x tile_m), both MN-major.
-        tdKrdSt = mma_dk.make_fragment_A(wg_dk.partition_A(transpose_smem(sdS)))
+        tdKrdS = mma_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
         tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_smem(sQ)))
-        # dQ = dS K: A = dS (tile_m x tile_n) K-major, B = K^T (d x tile_n) MN-major.
-        tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        # dQ = dS K: A = dS (tile_m x tile_n) read from the dS^T buffer, B = K^T.
+        tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sdS)))
         tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
 
         acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, d)), Float32)
@@ -465,22 +479,21 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
-        # Where each accumulator element of S lives in the (tile_m, tile_n) tile.
-        tScS = _rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tm, tn))))
-        # P and dS go to SMEM with stmatrix: 4 instructions and 1 address per thread
-        # per tile instead of one 32-bit store (and one live address) per pair.
-        stsm = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        copy_pds = cute.make_tiled_copy_C(stsm, mma_sdp)
-        thr_copy_pds = copy_pds.get_slice(tidx)
-        tPsP = thr_copy_pds.partition_D(sP)
-        tdSsdS = thr_copy_pds.partition_D(sdS)
-        tdQsdQ = thr_dq.partition_C(sdQ)
+        # (key, query) of each accumulator element of S^T, as (rows, cols).
+        tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
+        # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block.
+        stsm = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        copy_ds = cute.make_tiled_copy_C(stsm, mma_sdp)
+        thr_copy_ds = copy_ds.get_slice(tidx)
+        tdSsdS = thr_copy_ds.partition_D(sdS)
+        tdQsdQ = thr_dq.partition_C(sdQ)
 
-        pds_bar = pipeline.NamedBarrier(barrier_id=_BAR_PDS, num_threads=self.num_mma_threads)
+        ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
         dq_threads = self.num_mma_threads + 32
+        key_limit = seqlen_k - n_block * tn
 
         if num_iters > 0:
             pipe_kv.consumer_wait(
@@ -491,81 +504,63 @@ class FlashBwdSm90:
         for it in cutlass.range(num_iters, unroll=1):
             h_off = it // num_m
             m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group + h_off
             stage = state.index
-
-            # Row statistics of this thread's rows; rows past seqlen_q get
-            # LSE = +inf so that P (and with it dS, dV, dK, dQ) is exactly 0 there.
-            lse = cute.make_rmem_tensor((n_rows,), Float32)
-            dpsum = cute.make_rmem_tensor((n_rows,), Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                row = m_block * tm + tScS[r, 0][0]
-                lse[r] = Float32.inf
-                dpsum[r] = Float32(0.0)
-                if row < seqlen_q:
-                    lse[r] = mLSElog2[batch, head_q, row]
-                    dpsum[r] = mDpsum[batch, head_q, row]
+            buf = it % 2
 
             pipe_qdo.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-            _gemm(mma_sdp, acc_S, tSrQ[None, None, None, stage], tSrK, zero_init=True)
-            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-            _gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True)
-            warpgroup.wait_group(1)  # S done
+            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
+            wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
+            wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+            warpgroup.wait_group(1)  # S^T done
 
-            # P = exp2(S * scale * log2 e - LSElog2), masked past seqlen_k and
-            # (causal) right of the diagonal.
-            S = _rows_cols(acc_S)
-            for r in cutlass.range_constexpr(n_rows):
-                col_limit = seqlen_k - n_block * tn
-                if const_expr(self.causal):
-                    col_limit = cutlass.min(
-                        col_limit, m_block * tm + tScS[r, 0][0] + 1 - n_block * tn)
+            # Keys past seqlen_k and (causal) keys after the query: S = -inf. Only
+            # blocks holding such a key pay for the test.
+            S = acc_mn_view(acc_S)
+            # Valid: key < min(key_limit, query - key0 + 1) in block coordinates;
+            # the block's first query has the smallest causal limit.
+            causal_off = m_block * tm - n_block * tn + 1
+            first_limit = key_limit
+            if const_expr(self.causal):
+                first_limit = cutlass.min(key_limit, causal_off)
+            if first_limit < tn:
                 for c in cutlass.range_constexpr(n_cols):
-                    p = cute.math.exp2(S[r, c] * scale_log2 - lse[r], fastmath=True)
-                    S[r, c] = p if tScS[r, c][1] < col_limit else Float32(0.0)
+                    limit = key_limit
+                    if const_expr(self.causal):
+                        limit = cutlass.min(limit, tScS[0, c][1] + causal_off)
+                    for r in cutlass.range_constexpr(n_rows):
+                        S[r, c] = S[r, c] if tScS[r, c][0] < limit else -Float32.inf
+            # P^T = exp2(S^T * scale * log2 e - LSElog2[query]).
+            for c in cutlass.range_constexpr(n_cols):
+                lse = sLSE[tScS[0, c][1], stage]
+                for r in cutlass.range_constexpr(n_rows):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse, fastmath=True)
+            convert_to_operand_a(acc_S, tdVrP, self.dtype)
+            # dV runs on the tensor cores while dS^T is computed.
+            wgmma_gemm(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False)
+            warpgroup.wait_group(1)  # dP^T done (dV may still run)
 
-            rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            if const_expr(self.tiles.overlap_dv):
-                # sP columns [64w, 64w + 64) are written and read (dV) only by
-                # warpgroup w, whose previous dV finished last item: a warpgroup-local
-                # barrier suffices, and dV runs on the tensor cores during dS below.
-                cute.copy(copy_pds, thr_copy_pds.retile(rP), tPsP)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=_BAR_P_WG0 + wg_idx, number_of_threads=128)
-                _gemm(mma_dv, acc_dV, tdVrPt, tdVrdOt[None, None, None, stage],
-                      zero_init=False)
-                warpgroup.wait_group(1)  # dP done (dV may still run)
-            else:
-                warpgroup.wait_group(0)  # dP done
-            dP = _rows_cols(acc_dP)
-            for r in cutlass.range_constexpr(n_rows):
-                for c in cutlass.range_constexpr(n_cols):
-                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum[r])
-            rdS = cute.make_fragment_like(acc_dP, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
-            # The previous work item's GEMMs in both warpgroups (dQ reads all of
-            # sdS) must be done before sP/sdS are overwritten.
-            pds_bar.arrive_and_wait()
-            if const_expr(not self.tiles.overlap_dv):
-                cute.copy(copy_pds, thr_copy_pds.retile(rP), tPsP)
-            cute.copy(copy_pds, thr_copy_pds.retile(rdS), tdSsdS)
+            dP = acc_mn_view(acc_dP)
+            for c in cutlass.range_constexpr(n_cols):
+                dpsum = sDpsum[tScS[0, c][1], stage]
+                for r in cutlass.range_constexpr(n_rows):
+                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
+            convert_to_operand_a(acc_dP, tdKrdS, self.dtype)
+
+            # dS^T to SMEM buffer `buf`. Its previous readers (the dQ GEMMs of item
+            # it - 2, in both warpgroups) finished before either warpgroup passed
+            # the barrier of item it - 1.
+            cute.copy(copy_ds, thr_copy_ds.retile(tdKrdS), tdSsdS[None, None, None, buf])
             # Generic-proxy SMEM writes must be visible to the async proxy (wgmma).
             cute.arch.fence_view_async_shared()
-            pds_bar.arrive_and_wait()
+            ds_bar.arrive_and_wait()
 
-            # dQ before dK (and dV): its SMEM hand-off to the dQ warp then overlaps
-            # the GEMMs still running.
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
-            _gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
-            if const_expr(not self.tiles.overlap_dv):
-                _gemm(mma_dv, acc_dV, tdVrPt, tdVrdOt[None, None, None, stage],
-                      zero_init=False)
-            _gemm(mma_dk, acc_dK, tdKrdSt, tdKrQt[None, None, None, stage], zero_init=False)
+            wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
+            wgmma_gemm(mma_dk, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False)
 
-            # dQ done; dK (and, without overlap_dv, dV) may still run.
-            warpgroup.wait_group(1 if const_expr(self.tiles.overlap_dv) else 2)
+            # dV and dQ done; dK may still run.
+            warpgroup.wait_group(1)
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY, number_of_threads=dq_threads)
             cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()
@@ -574,21 +569,14 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
             state.advance()
-        self.store_dkv(acc_dK, acc_dV, mdK, mdV, thr_dk, thr_dv, n_block, head_kv, batch,
+        self.store_acc(acc_dK, mdK, thr_dk, d, self.softmax_scale, n_block, head_kv, batch,
                        seqlen_k)
-
-    @cute.jit
-    def store_dkv(self, acc_dK, acc_dV, mdK, mdV, thr_dk, thr_dv, n_block, head_kv, batch,
-                  seqlen_k):
-        """dK = scale * sum dS^T Q and dV, straight from registers to global memory."""
-        self.store_acc(acc_dK, mdK, thr_dk, self.head_dim, self.softmax_scale, n_block,
-                       head_kv, batch, seqlen_k)
-        self.store_acc(acc_dV, mdV, thr_dv, self.head_dim_v, 1.0, n_block, head_kv, batch,
-                       seqlen_k)
+        self.store_acc(acc_dV, mdV, thr_dv, dv, 1.0, n_block, head_kv, batch, seqlen_k)
 
     @cute.jit
     def store_acc(self, acc, mX, thr, width: cutlass.Constexpr[int],
                   scale: cutlass.Constexpr[float], n_block, head_kv, batch, seqlen_k):
+        """dK = scale * sum dS^T Q and dV, straight from registers to global memory."""
         tn = self.tile_n
         gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, 0))
         tXgX = thr.partition_C(gX)

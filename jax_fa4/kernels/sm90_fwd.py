@@ -34,7 +34,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_fa4.kernels.cute_utils import as_cutlass_dtype, permute, sm90_smem_layout, transpose_smem
+from jax_fa4.kernels.cute_utils import (
+    as_cutlass_dtype,
+    convert_to_operand_a,
+    permute,
+    sm90_smem_layout,
+    transpose_smem,
+)
 from jax_fa4.kernels.mask import TileMask
 from jax_fa4.kernels.softmax import (
     LOG2_E,
@@ -68,25 +74,52 @@ class Sm90FwdTiles:
 
 
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
-    """The tile table (one entry for now: 128 x 128, 2 consumer WGs, 2 stages).
+    """The tile table: hdim 64 192 x 128 (3 consumer WGs), hdim 128 128 x 128,
+    hdim 256 128 x 80 (2 consumer WGs).
 
-    Two consumer warpgroups of 64 rows each and 240 registers per consumer
-    thread (24 for the producer: 24*128 + 240*256 <= 64K registers).
+    Two consumer warpgroups get 240 registers per thread (24 for the producer:
+    24*128 + 240*256 <= 64K registers); three get 160 (32 for the producer).
     KV stages: 2 (Q + 2 x (K + V) at hdim 128 is 160 KB of SMEM).
-    Measured on the H200 (2026-11-29, hdim 128 bf16, B=4 S=4096 H=16, TFLOP/s
-    non-causal / causal): this table 650 / 573; without intra-warpgroup overlap
+    Measured on the H200 (2026-11-29, bf16, TFLOP/s non-causal / causal):
+    hdim 128 (B=4 S=4096 H=16): this table 650 / 573 (624 / 591 in a later
+    run where cuDNN also read 5% lower); without intra-warpgroup overlap
     580 / 512; tile_n 176 (FA3's non-causal choice) 627 / 550, where ptxas
-    serialises the wider wgmma (C7519), so it stays at 128 here.
-    hdim 64 (B=2 S=8192 H=32): 445 / 439 with this table (cuDNN 450 / 430).
-    192 x 128 with 3 consumer WGs (consumer_regs 160, producer_regs 32) passes
-    the GPU checks at hdim 64 but is not timed yet, so it is not the default.
+    serialised the P V wgmma (C7519), so it stays at 128 here. That C7519 came
+    from P's element-wise 16-bit conversion (88 elements), fixed since in
+    ``convert_to_operand_a``; tile_n 176 is C75xx-free now but not re-timed.
+    hdim 64 (B=2 S=8192 H=32): 192 x 128 with 3 consumer WGs 518 / 480 against
+    445 / 435 for 128 x 128 with 2 (cuDNN 454 / 418 in the same run).
+
+    Head dim 256 (D == Dv; 129..255 are not supported): FA3's Hopper choice,
+    128 x 80 with 2 stages. SMEM: Q 64 KiB (reused by O) + K and V 2 x 40 KiB
+    each, plus barriers and 1 KiB alignment = 230400 of the 232448 bytes
+    (227 KiB) a CTA may use. The O accumulator is 128 fp32 registers per
+    consumer thread (64 x 256 per warpgroup).
     """
     del causal  # same tiles for causal and not, see the measurements above
-    if max(head_dim, head_dim_v) > 128:
-        raise ValueError(f"sm90 forward supports head dims up to 128, got {head_dim}")
+    d = max(head_dim, head_dim_v)
+    if d <= 64:
+        return Sm90FwdTiles(
+            tile_m=192,
+            tile_n=128,
+            num_stages=2,
+            num_consumer_wg=3,
+            consumer_regs=160,
+            producer_regs=32,
+            intra_wg_overlap=True,
+            pingpong=True,
+        )
+    if d <= 128:
+        tile_n = 128
+    elif head_dim == head_dim_v == 256:
+        tile_n = 80
+    else:
+        raise ValueError(
+            f"sm90 forward supports head dims up to 128 and 256, got {head_dim}, {head_dim_v}"
+        )
     return Sm90FwdTiles(
         tile_m=128,
-        tile_n=128,
+        tile_n=tile_n,
         num_stages=2,
         num_consumer_wg=2,
         consumer_regs=240,
@@ -94,30 +127,6 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         intra_wg_overlap=True,
         pingpong=True,
     )
-
-
-
-
-
-
-
-
-
-
-def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """View an S accumulator as the register A operand of the P V wgmma.
-
-    acc ((2, 2, V), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (V / 2, MMA_N)): a k16
-    slice of A is two adjacent 8-column groups of the accumulator, so V splits
-    into pairs.
-    """
-    div = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    shp, std = div.shape, div.stride
-    layout = cute.make_layout(
-        ((shp[0][0], shp[0][1], shp[0][2][0]), shp[1], (shp[0][2][1], shp[2])),
-        stride=((std[0][0], std[0][1], std[0][2][0]), std[1], (std[0][2][1], std[2])),
-    )
-    return cute.make_tensor(acc.iterator, layout)
 
 
 @cute.jit
@@ -149,7 +158,8 @@ class FlashFwdSm90:
     """Forward attention for sm_90a, one compiled binary per configuration.
 
     dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
-    head_dim, head_dim_v: D and Dv (compile time; 64 and 128 tested, D == Dv).
+    head_dim, head_dim_v: D and Dv (compile time, D == Dv; 64 and 128 tested on
+        the H200; 256 (tile 128 x 80) compiled for sm_90a, not yet run on a GPU).
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
     tiles: override the tile table (``fwd_tiles``) for experiments.
@@ -605,7 +615,7 @@ class FlashFwdSm90:
             )
 
         def to_p(acc_S):
-            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+            convert_to_operand_a(acc_S, tOrP, self.dtype)
 
         if cutlass.const_expr(self.tiles.intra_wg_overlap):
             # First block: S, softmax, P; its P V is issued with the next S.

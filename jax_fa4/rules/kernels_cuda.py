@@ -80,7 +80,9 @@ def _pre_kernel(key: KernelKey):
 
 
 def _bwd_kernel(key: KernelKey):
-    if key.arch == "sm_90a":
+    if key.arch == "sm_90a" and key.head_dim == 256:
+        from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
+    elif key.arch == "sm_90a":
         from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
     elif key.arch == "sm_100a":  # compiled, not run on hardware
         from jax_fa4.kernels.sm100_bwd import FlashBwdSm100 as Kernel
