@@ -51,6 +51,10 @@ def make_tiles(d, causal, variant):
     tiles = bwd_tiles(d, causal)
     if variant.startswith("m"):  # m64 / m128: another query tile
         tiles = dataclasses.replace(tiles, tile_m=int(variant[1:]))
+    elif variant == "pwg":  # dQ handed off per warpgroup
+        tiles = dataclasses.replace(tiles, dq_per_wg=True)
+    elif variant == "joint":  # dQ handed off by both warpgroups together
+        tiles = dataclasses.replace(tiles, dq_per_wg=False)
     return tiles
 
 
@@ -226,6 +230,8 @@ def time_one(kcall, causal, rows, variant, d=128):
 
 
 def timing(make_kcall, rows, variants, head_dims=(128, 64)):
+    if os.environ.get("BWD_TIME_HDIMS"):
+        head_dims = tuple(int(x) for x in os.environ["BWD_TIME_HDIMS"].split(","))
     for d in head_dims:
         for variant in variants:
             for causal in (False, True):
@@ -242,7 +248,8 @@ def main():
     ap.add_argument("--seqlens", default=None,
                     help="comma-separated SqxSk pairs, e.g. 17x17,113x203")
     ap.add_argument("--variants", default="default",
-                    help="comma-separated: default (the tile table), m64, m128 (query tile)")
+                    help="comma-separated: default (the tile table), m64, m128 (query tile), "
+                         "pwg / joint (dQ hand-off per warpgroup / joint)")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

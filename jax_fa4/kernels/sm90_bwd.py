@@ -23,7 +23,9 @@ for its own 64 keys (Note [Transposed scores]):
 Order within one query block: S^T and dP^T issued together; P^T while dP^T runs;
 dV issued at once and runs during dS^T; dS^T stored to SMEM (double buffered);
 one barrier over both warpgroups; dQ then dK issued; the dQ partial goes to the
-dQ warp through SMEM while dK still runs.
+dQ warp through SMEM while dK still runs. With `dq_per_wg` each warpgroup hands
+over its own part of the dQ tile (own SMEM part, own barrier pair, own TMA
+reduce), so the warpgroups meet only at the dS barrier.
 
 Note [Transposed scores]: with S^T a warpgroup's accumulator rows are its own
 keys, which are exactly the rows of its dV and dK tiles, so P^T and dS^T feed
@@ -69,8 +71,11 @@ LOG2_E = math.log2(math.e)
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM
-_BAR_DQ_FULL = 2  # MMA warpgroups -> dQ warp: the dQ partial tile is in SMEM
-_BAR_DQ_EMPTY = 3  # dQ warp -> MMA warpgroups: the dQ SMEM tile may be overwritten
+# MMA warpgroups -> dQ warp: the dQ partial tile is in SMEM; with dq_per_wg one
+# barrier per warpgroup (2, 3) for its own part of the tile.
+_BAR_DQ_FULL = 2
+# dQ warp -> MMA warpgroups: the dQ SMEM tile may be overwritten (4, 5 with dq_per_wg).
+_BAR_DQ_EMPTY = 4
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,9 @@ class BwdTiles:
     stages_qdo: int  # Q/dO/LSE/Dpsum SMEM pipeline depth
     regs_producer: int  # setmaxnreg for the load/store warpgroup
     regs_mma: int  # setmaxnreg for each MMA warpgroup
+    # Each MMA warpgroup hands its own part of the dQ partial to the dQ warp (own
+    # SMEM tile and barrier pair, one TMA reduce each) instead of both together.
+    dq_per_wg: bool = False
 
 
 def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
@@ -169,6 +177,17 @@ class FlashBwdSm90:
             (64, d // wg_n_dq))
         return mma_sdp, mma_dk, mma_dv, mma_dq
 
+    def _dq_part(self) -> tuple[int, int]:
+        """The (rows, cols) of dQ each MMA warpgroup computes."""
+        wg_n = self.num_mma_wg // self.wg_m_dq
+        return self.tile_m // self.wg_m_dq, self.head_dim // wg_n
+
+    def _dq_part_coord(self, wg: int, m_block):
+        """Block coordinate of warpgroup ``wg``'s dQ part in (rows, cols) units."""
+        if self.wg_m_dq == 2:
+            return m_block * 2 + wg, 0
+        return m_block, wg
+
     @cute.jit
     def __call__(
         self,
@@ -209,7 +228,11 @@ class FlashBwdSm90:
         sV_layout = sm90_smem_layout(self.dtype, tn, dv, None)
         # dS^T (tile_n x tile_m, queries contiguous), double buffered.
         sdS_layout = sm90_smem_layout(self.dtype, tn, tm, 2)
-        sdQ_layout = sm90_smem_layout(Float32, tm, d, None)
+        # dQ partial in SMEM: the whole (tile_m, d) tile, or with dq_per_wg one
+        # (tile_m / wg_m, d / wg_n) part per warpgroup (stage mode = warpgroup).
+        dq_part = self._dq_part()
+        sdQ_layout = (sm90_smem_layout(Float32, *dq_part, 2) if self.tiles.dq_per_wg
+                      else sm90_smem_layout(Float32, tm, d, None))
         sRow_layout = cute.make_layout((tm, st))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
@@ -224,7 +247,8 @@ class FlashBwdSm90:
         tma_Dpsum, gmem_Dpsum = cpasync.make_tiled_tma_atom(
             tma_load, mDpsum, cute.make_layout(tm), (tm,))
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (tm, d))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+            cute.select(sdQ_layout, mode=[0, 1]), dq_part if self.tiles.dq_per_wg else (tm, d))
 
         bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
                      + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
@@ -420,22 +444,37 @@ class FlashBwdSm90:
                  num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
         tm, d = self.tile_m, self.head_dim
-        nthr = self.num_mma_threads + 32
+        per_wg = self.tiles.dq_per_wg
+        nthr = (128 if const_expr(per_wg) else self.num_mma_threads) + 32
+        part = self._dq_part() if const_expr(per_wg) else (tm, d)
         for it in cutlass.range(num_iters, unroll=1):
             h_off = it // num_m
             m_block = m_block_min + it - h_off * num_m
             head_q = head_kv * group + h_off
-            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], part, (None, None))
             tsdQ, tgdQ = cpasync.tma_partition(
                 tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                 cute.group_modes(gdQ, 0, 2))
-            # The SMEM tile is free (previous reduce has read it): let the MMA
-            # warpgroups write the next partial.
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY, number_of_threads=nthr)
-            cute.arch.barrier(barrier_id=_BAR_DQ_FULL, number_of_threads=nthr)
-            cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(per_wg):
+                # Each part is free (its previous reduce has read it): let its
+                # warpgroup write the next one. Warpgroups are served in order but
+                # never wait for each other.
+                for w in cutlass.range_constexpr(self.num_mma_wg):
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + w, number_of_threads=nthr)
+                for w in cutlass.range_constexpr(self.num_mma_wg):
+                    cute.arch.barrier(barrier_id=_BAR_DQ_FULL + w, number_of_threads=nthr)
+                    rb, cb = self._dq_part_coord(w, m_block)
+                    cute.copy(tma_dQ, tsdQ[None, w], tgdQ[None, rb, cb])
+                    cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                # The SMEM tile is free (previous reduce has read it): let the MMA
+                # warpgroups write the next partial.
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY, number_of_threads=nthr)
+                cute.arch.barrier(barrier_id=_BAR_DQ_FULL, number_of_threads=nthr)
+                cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block, 0])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
@@ -489,10 +528,20 @@ class FlashBwdSm90:
         copy_ds = cute.make_tiled_copy_C(stsm, mma_sdp)
         thr_copy_ds = copy_ds.get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(sdS)
+        if const_expr(self.tiles.dq_per_wg):
+            # View the per-warpgroup parts (rows, cols, wg) as the whole (tile_m, d)
+            # tile, so that each thread's dQ elements land in its warpgroup's part.
+            a, b = self._dq_part()
+            if const_expr(self.wg_m_dq == 2):
+                whole = cute.make_layout(((a, 2), b), stride=((1, a * b), a))
+            else:
+                whole = cute.make_layout((a, (b, 2)), stride=(1, (a, a * b)))
+            sdQ = cute.composition(sdQ, whole)
         tdQsdQ = thr_dq.partition_C(sdQ)
 
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
-        dq_threads = self.num_mma_threads + 32
+        dq_threads = (128 if const_expr(self.tiles.dq_per_wg) else self.num_mma_threads) + 32
+        dq_bar_off = wg_idx if const_expr(self.tiles.dq_per_wg) else 0
         key_limit = seqlen_k - n_block * tn
 
         if num_iters > 0:
@@ -561,10 +610,11 @@ class FlashBwdSm90:
 
             # dV and dQ done; dK may still run.
             warpgroup.wait_group(1)
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY, number_of_threads=dq_threads)
+            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + dq_bar_off, number_of_threads=dq_threads)
             cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL, number_of_threads=dq_threads)
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + dq_bar_off,
+                                     number_of_threads=dq_threads)
 
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
