@@ -49,12 +49,15 @@ def round_up(x, m):
 def make_tiles(d, causal, variant):
     """The kernel's own tile table, with a knob flipped for A/B variants."""
     tiles = bwd_tiles(d, causal)
-    if variant.startswith("m"):  # m64 / m128: another query tile
-        tiles = dataclasses.replace(tiles, tile_m=int(variant[1:]))
-    elif variant == "pwg":  # dQ handed off per warpgroup
-        tiles = dataclasses.replace(tiles, dq_per_wg=True)
-    elif variant == "joint":  # dQ handed off by both warpgroups together
-        tiles = dataclasses.replace(tiles, dq_per_wg=False)
+    for knob in variant.split("+"):  # e.g. "m80+pwg"
+        if knob.startswith("m"):  # m64 / m80 / m128: another query tile
+            tiles = dataclasses.replace(tiles, tile_m=int(knob[1:]))
+        elif knob == "pwg":  # dQ handed off per warpgroup
+            tiles = dataclasses.replace(tiles, dq_per_wg=True)
+        elif knob == "joint":  # dQ handed off by both warpgroups together
+            tiles = dataclasses.replace(tiles, dq_per_wg=False)
+        elif knob != "default":
+            raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
 
 
@@ -230,8 +233,6 @@ def time_one(kcall, causal, rows, variant, d=128):
 
 
 def timing(make_kcall, rows, variants, head_dims=(128, 64)):
-    if os.environ.get("BWD_TIME_HDIMS"):
-        head_dims = tuple(int(x) for x in os.environ["BWD_TIME_HDIMS"].split(","))
     for d in head_dims:
         for variant in variants:
             for causal in (False, True):
@@ -248,11 +249,13 @@ def main():
     ap.add_argument("--seqlens", default=None,
                     help="comma-separated SqxSk pairs, e.g. 17x17,113x203")
     ap.add_argument("--variants", default="default",
-                    help="comma-separated: default (the tile table), m64, m128 (query tile), "
-                         "pwg / joint (dQ hand-off per warpgroup / joint)")
+                    help="comma-separated: default (the tile table), m64, m80, m128 (query tile), "
+                         "pwg / joint (dQ hand-off per warpgroup / joint), combined "
+                         "with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")
+    ap.add_argument("--hdims", default="128,64", help="head dims to check and time")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop starting new correctness cases after this many seconds")
     args = ap.parse_args()
@@ -272,9 +275,10 @@ def main():
     heads = ((4, 1),) if args.gqa_only else ((4, 1), (2, 2))
     all_seqlens = seqlens
     plan = []  # (variant, dtype, d, causal, seqlens)
+    hdims = tuple(int(x) for x in args.hdims.split(","))
     for variant in args.variants.split(","):
         for dtype in (jnp.bfloat16, jnp.float16):
-            for d in (128, 64):
+            for d in hdims:
                 for causal in (False, True):
                     sl = all_seqlens
                     if args.final and variant != args.variants.split(",")[0]:
@@ -317,7 +321,7 @@ def main():
              time.time() - t_start)
     if not args.no_time:
         try:
-            timing(make_kcall, rows, args.variants.split(","))
+            timing(make_kcall, rows, args.variants.split(","), hdims)
         except Exception:
             log.exception("timing failed")
     print("\n==== sm90 bwd check (worst = err / (2*err_lowp + atol), must be <= 1) ====")

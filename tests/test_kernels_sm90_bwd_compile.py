@@ -11,7 +11,7 @@ import importlib.util
 
 import jax.numpy as jnp
 import pytest
-from kernel_compile import lower_bwd
+from kernel_compile import bwd_structs, lower, lower_bwd
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -32,6 +32,39 @@ def _lower_bwd(dtype, head_dim: int, causal: bool, compile_options: str | None =
 def test_bwd_compiles(head_dim, causal):
     text = _lower_bwd(jnp.bfloat16, head_dim, causal)
     assert "custom_call" in text
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,tile_m,dq_per_wg",
+                         [(128, 80, False), (128, 80, True), (128, 64, True), (64, 128, True)])
+def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg):
+    """The tuning table's alternatives: 80-row query tiles (dQ computed transposed)
+    and the per-warpgroup dQ hand-off, causal (diagonal masking) on an odd GQA shape."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    tiles = dataclasses.replace(bwd_tiles(head_dim, True), tile_m=tile_m, dq_per_wg=dq_per_wg)
+    ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
+    text = lower(lambda: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, True,
+                                      head_dim**-0.5, tiles=tiles),
+                 "sm_90a", ins, outs, aliases)
+    assert "custom_call" in text
+
+
+@needs_cutlass
+def test_bwd_rejects_80_row_tiles_below_hdim_128():
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    with pytest.raises(ValueError, match="head_dim 128"):
+        FlashBwdSm90(cutlass.BFloat16, 64, 64, False, 0.1,
+                     tiles=dataclasses.replace(bwd_tiles(64, False), tile_m=80))
 
 
 @needs_cutlass

@@ -92,19 +92,29 @@ class BwdTiles:
     dq_per_wg: bool = False
 
 
+# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg). Measurements in
+# docs/performance.md ("Backward, sm90 main kernel").
+_TILE_TABLE = {
+    (64, False): (128, False),
+    (64, True): (128, False),
+    (128, False): (64, False),
+    (128, True): (64, False),
+}
+
+
 def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
-    """The tile table, keyed by head dim (FA3's sm90 backward choices, adapted).
+    """The tile table, keyed by head dim and mask (FA3's sm90 backward choices, adapted).
 
     hdim 64: 128 x 128 (S^T per warpgroup 64 x 128, dK/dV 64 x 64 each);
-    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each). Both keep about 224 of
-    the 240 registers of an MMA thread live at the peak.
+    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each) or 80 x 128 (dQ computed
+    transposed). They keep about 224 of the 240 registers of an MMA thread live at
+    the peak (80 x 128 spills 64 bytes).
     """
-    del causal  # same tiles; causal skips whole blocks and masks the diagonal ones
-    if head_dim <= 64:
-        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240)
-    if head_dim <= 128:
-        return BwdTiles(tile_m=64, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240)
-    raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
+    tile_m, dq_per_wg = _TILE_TABLE[(head_dim, bool(causal))]
+    return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
+                    dq_per_wg=dq_per_wg)
 
 
 class FlashBwdSm90:
@@ -146,11 +156,15 @@ class FlashBwdSm90:
         self.num_threads = 128 + self.num_mma_threads
         if self.tile_n != 64 * self.num_mma_wg:
             raise ValueError("tile_n must be 64 keys per MMA warpgroup")
-        if self.tile_m not in (64, 128) or SEQLEN_Q_PAD % self.tile_m:
-            raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_m not in (64, 80, 128):
+            raise ValueError(f"tile_m must be 64, 80 or 128, got {self.tile_m}")
         # dQ = dS K (tile_m x d): split along m when there are two 64-row atoms,
-        # else along d.
-        self.wg_m_dq = self.tile_m // 64
+        # else along d. A tile_m that is no multiple of 64 computes dQ^T = K^T dS^T
+        # instead (M = d, split along d; FA3's dQ_swapAB), which needs d = 128.
+        self.dq_swap = self.tile_m % 64 != 0
+        if self.dq_swap and self.head_dim != 64 * self.num_mma_wg:
+            raise ValueError(f"tile_m {self.tile_m} needs head_dim 128, got {head_dim}")
+        self.wg_m_dq = 1 if self.dq_swap else self.tile_m // 64
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -169,6 +183,12 @@ class FlashBwdSm90:
         mma_dv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, (wg, 1, 1), (64, dv),
             a_source=warpgroup.OperandSource.RMEM)
+        if self.dq_swap:
+            # dQ^T = K^T dS^T: A = K^T (d x tile_n), B = dS (tile_m x tile_n), both
+            # MN-major; warpgroup w owns dQ columns [64w, 64w + 64).
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, MN, Float32, (wg, 1, 1), (64, tm))
+            return mma_sdp, mma_dk, mma_dv, mma_dq
         # dQ = dS K: A = dS (tile_m x tile_n) MN-major (SMEM holds dS^T),
         # B = K^T (d x tile_n) MN-major.
         wg_n_dq = wg // self.wg_m_dq
@@ -510,8 +530,12 @@ class FlashBwdSm90:
         tdKrdS = mma_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
         tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_smem(sQ)))
         # dQ = dS K: A = dS (tile_m x tile_n) read from the dS^T buffer, B = K^T.
-        tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sdS)))
-        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        if const_expr(self.dq_swap):  # dQ^T = K^T dS^T
+            tdQrKt = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sK)))
+            tdQrdS = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sdS)))
+        else:
+            tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sdS)))
+            tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
 
         acc_dK = cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, d)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, dv)), Float32)
@@ -531,12 +555,17 @@ class FlashBwdSm90:
         if const_expr(self.tiles.dq_per_wg):
             # View the per-warpgroup parts (rows, cols, wg) as the whole (tile_m, d)
             # tile, so that each thread's dQ elements land in its warpgroup's part.
+            # dQ^T (swapped) is viewed as (d, tile_m) directly.
             a, b = self._dq_part()
-            if const_expr(self.wg_m_dq == 2):
+            if const_expr(self.dq_swap):
+                whole = cute.make_layout(((b, 2), a), stride=((a, a * b), 1))
+            elif const_expr(self.wg_m_dq == 2):
                 whole = cute.make_layout(((a, 2), b), stride=((1, a * b), a))
             else:
                 whole = cute.make_layout((a, (b, 2)), stride=(1, (a, a * b)))
             sdQ = cute.composition(sdQ, whole)
+        elif const_expr(self.dq_swap):
+            sdQ = transpose_smem(sdQ)
         tdQsdQ = thr_dq.partition_C(sdQ)
 
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
@@ -604,8 +633,14 @@ class FlashBwdSm90:
             cute.arch.fence_view_async_shared()
             ds_bar.arrive_and_wait()
 
-            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
-            wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, zero_init=True)
+            if const_expr(self.dq_swap):
+                acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((d, tm)), Float32)
+                wgmma_gemm(mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, buf],
+                           zero_init=True)
+            else:
+                acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
+                wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
+                           zero_init=True)
             wgmma_gemm(mma_dk, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], zero_init=False)
 
             # dV and dQ done; dK may still run.
