@@ -97,8 +97,8 @@ class BwdTiles:
 _TILE_TABLE = {
     (64, False): (128, False),
     (64, True): (128, False),
-    (128, False): (64, False),
-    (128, True): (64, False),
+    (128, False): (64, True),
+    (128, True): (64, True),
 }
 
 
@@ -253,7 +253,10 @@ class FlashBwdSm90:
         dq_part = self._dq_part()
         sdQ_layout = (sm90_smem_layout(Float32, *dq_part, 2) if self.tiles.dq_per_wg
                       else sm90_smem_layout(Float32, tm, d, None))
-        sRow_layout = cute.make_layout((tm, st))
+        # One row-statistics stage per Q/dO stage; each stage starts 128-byte aligned
+        # (a TMA destination must), so 80 rows take 96 floats.
+        row_stage = (tm + 31) // 32 * 32
+        sRow_layout = cute.make_layout((tm, st), stride=(1, row_stage))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_Q, gmem_Q = cpasync.make_tiled_tma_atom(
@@ -280,8 +283,8 @@ class FlashBwdSm90:
         class SharedStorage:
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
-            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
+            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
