@@ -52,6 +52,8 @@ def make_tiles(d, causal, variant):
     for knob in variant.split("+"):  # e.g. "m80+pwg"
         if knob.startswith("m"):  # m64 / m80 / m128: another query tile
             tiles = dataclasses.replace(tiles, tile_m=int(knob[1:]))
+        elif knob.startswith("s"):  # s3: Q/dO pipeline stages
+            tiles = dataclasses.replace(tiles, stages_qdo=int(knob[1:]))
         elif knob == "pwg":  # dQ handed off per warpgroup
             tiles = dataclasses.replace(tiles, dq_per_wg=True)
         elif knob == "joint":  # dQ handed off by both warpgroups together
@@ -250,8 +252,8 @@ def main():
                     help="comma-separated SqxSk pairs, e.g. 17x17,113x203")
     ap.add_argument("--variants", default="default",
                     help="comma-separated: default (the tile table), m64, m80, m128 (query tile), "
-                         "pwg / joint (dQ hand-off per warpgroup / joint), combined "
-                         "with +, e.g. m80+pwg")
+                         "s2, s3 (Q/dO stages), pwg / joint (dQ hand-off per warpgroup "
+                         "/ joint), combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

@@ -35,23 +35,42 @@ def test_bwd_compiles(head_dim, causal):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("head_dim,tile_m,dq_per_wg",
-                         [(128, 80, False), (128, 80, True), (128, 64, True), (64, 128, True)])
-def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg):
-    """The tuning table's alternatives: 80-row query tiles (dQ computed transposed)
-    and the per-warpgroup dQ hand-off, causal (diagonal masking) on an odd GQA shape."""
+@pytest.mark.parametrize("head_dim,tile_m,dq_per_wg,stages",
+                         [(128, 80, False, 2), (128, 80, True, 2), (128, 64, False, 2),
+                          (64, 128, True, 2), (128, 64, True, 3), (64, 64, True, 3)])
+def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg, stages):
+    """The tuning table's alternatives: 80-row query tiles (dQ computed transposed),
+    the per-warpgroup or joint dQ hand-off, 3 Q/dO stages (226 of the 227 KiB of SMEM),
+    causal (diagonal masking) on an odd GQA shape."""
     import dataclasses
 
     import cutlass
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
-    tiles = dataclasses.replace(bwd_tiles(head_dim, True), tile_m=tile_m, dq_per_wg=dq_per_wg)
+    tiles = dataclasses.replace(bwd_tiles(head_dim, True), tile_m=tile_m, dq_per_wg=dq_per_wg,
+                                stages_qdo=stages)
     ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
     text = lower(lambda: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, True,
                                       head_dim**-0.5, tiles=tiles),
                  "sm_90a", ins, outs, aliases)
     assert "custom_call" in text
+
+
+@needs_cutlass
+def test_bwd_refuses_more_smem_than_a_cta_has():
+    """hdim 64 with 128-row query tiles and 3 Q/dO stages needs 233 KB > 227 KiB."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    tiles = dataclasses.replace(bwd_tiles(64, False), stages_qdo=3)
+    ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, 64, jnp.bfloat16)
+    with pytest.raises(Exception, match="bytes of SMEM"):
+        lower(lambda: FlashBwdSm90(cutlass.BFloat16, 64, 64, False, 0.125, tiles=tiles),
+              "sm_90a", ins, outs, aliases)
 
 
 @needs_cutlass

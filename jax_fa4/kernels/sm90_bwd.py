@@ -6,7 +6,8 @@ stay in registers for the whole walk (deterministic, no dK/dV atomics). dQ
 partials (sum over this CTA's keys of dS K) are reduce-added into the fp32
 accumulator by TMA.
 
-Warp roles (384 threads):
+Warp roles (384 threads; the load warp, the work list and the joint dQ hand-off are
+shared with the hdim 256 kernel in sm90_bwd_common.py):
   warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
                         query block, one pipeline stage each)
                 warp 1: TMA reduce-add of the dQ partial tile into mdQaccum
@@ -51,7 +52,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
@@ -63,6 +64,7 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
+from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,8 @@ LOG2_E = math.log2(math.e)
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM
-# MMA warpgroups -> dQ warp: the dQ partial tile is in SMEM; with dq_per_wg one
-# barrier per warpgroup (2, 3) for its own part of the tile.
-_BAR_DQ_FULL = 2
-# dQ warp -> MMA warpgroups: the dQ SMEM tile may be overwritten (4, 5 with dq_per_wg).
-_BAR_DQ_EMPTY = 4
+# The dQ hand-off (Sm90BwdCommon): FlashBwdSm90.bar_dq_full = 2 and bar_dq_empty = 4,
+# with dq_per_wg one of each per warpgroup (2, 3 and 4, 5).
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,7 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
                     dq_per_wg=dq_per_wg)
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(Sm90BwdCommon):
     """Backward main kernel for sm_90a; see the module docstring and docs/design.md.
 
     Args:
@@ -126,6 +125,9 @@ class FlashBwdSm90:
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T.
     """
+
+    bar_dq_full = 2
+    bar_dq_empty = 4
 
     def __init__(
         self,
@@ -294,6 +296,7 @@ class FlashBwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
+        self.check_smem(SharedStorage)
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
@@ -344,8 +347,6 @@ class FlashBwdSm90:
         bytes_kv: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
-        tm, tn = self.tile_m, self.tile_n
-        st = self.tiles.stages_qdo
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -357,18 +358,7 @@ class FlashBwdSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # One arrive per consumer warp (the pipeline elects lane 0 of each warp).
-        consumer_group = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=st,
-            producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_qdo, defer_sync=True)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
-            producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_kv, defer_sync=False)
+        pipe_qdo, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -379,17 +369,9 @@ class FlashBwdSm90:
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDpsum = storage.sDpsum.get_tensor(sRow_layout)
 
-        # The work list of this CTA: every (q head of the group, query block) pair
-        # that can see at least one key of this block.
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        group = mQ.shape[2] // mK.shape[2]
-        m_block_max = cute.ceil_div(seqlen_q, tm)
-        m_block_min = Int32(0)
-        if const_expr(self.causal):
-            m_block_min = cutlass.min(n_block * tn // tm, m_block_max)
-        num_m = m_block_max - m_block_min
-        num_iters = num_m * group
+        group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
@@ -409,96 +391,34 @@ class FlashBwdSm90:
                      m_block_min, num_m, num_iters)
 
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
-             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
-             pipe_qdo, pipe_kv, n_block, head_kv, batch, group, m_block_min, num_m,
-             num_iters):
-        """Warp 0: K and V of this block once, then Q, dO and their row statistics
-        per work item."""
-        tm, tn = self.tile_m, self.tile_n
-        d, dv = self.head_dim, self.head_dim_v
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-            cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-            cute.group_modes(gV, 0, 2))
-        if num_iters > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_kv.producer_acquire(kv_state)
-            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
-        for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group + h_off
-            gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
-            gLSE = cute.local_tile(mLSElog2[None, head_q, batch], (tm,), (None,))
-            gDpsum = cute.local_tile(mDpsum[None, head_q, batch], (tm,), (None,))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                cute.group_modes(gdO, 0, 2))
-            tLsL, tLgL = cpasync.tma_partition(
-                tma_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
-                cute.group_modes(gLSE, 0, 1))
-            tDsD, tDgD = cpasync.tma_partition(
-                tma_Dpsum, 0, cute.make_layout(1), cute.group_modes(sDpsum, 0, 1),
-                cute.group_modes(gDpsum, 0, 1))
-            pipe_qdo.producer_acquire(state)
-            bar = pipe_qdo.producer_get_barrier(state)
-            s = state.index
-            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
-            state.advance()
-
-    @cute.jit
     def store_dq(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min, num_m,
                  num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
-        tm, d = self.tile_m, self.head_dim
-        per_wg = self.tiles.dq_per_wg
-        nthr = (128 if const_expr(per_wg) else self.num_mma_threads) + 32
-        part = self._dq_part() if const_expr(per_wg) else (tm, d)
-        for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group + h_off
-            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], part, (None, None))
-            tsdQ, tgdQ = cpasync.tma_partition(
-                tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                cute.group_modes(gdQ, 0, 2))
-            if const_expr(per_wg):
+        if const_expr(not self.tiles.dq_per_wg):
+            self.store_dq_joint(mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
+                                num_m, num_iters)
+        else:
+            nthr = 128 + 32
+            for it in cutlass.range(num_iters, unroll=1):
+                head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+                gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], self._dq_part(),
+                                      (None, None))
+                tsdQ, tgdQ = cpasync.tma_partition(
+                    tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                    cute.group_modes(gdQ, 0, 2))
                 # Each part is free (its previous reduce has read it): let its
                 # warpgroup write the next one. Warpgroups are served in order but
                 # never wait for each other.
                 for w in cutlass.range_constexpr(self.num_mma_wg):
-                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + w, number_of_threads=nthr)
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                             number_of_threads=nthr)
                 for w in cutlass.range_constexpr(self.num_mma_wg):
-                    cute.arch.barrier(barrier_id=_BAR_DQ_FULL + w, number_of_threads=nthr)
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
                     rb, cb = self._dq_part_coord(w, m_block)
                     cute.copy(tma_dQ, tsdQ[None, w], tgdQ[None, rb, cb])
                     cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            else:
-                # The SMEM tile is free (previous reduce has read it): let the MMA
-                # warpgroups write the next partial.
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY, number_of_threads=nthr)
-                cute.arch.barrier(barrier_id=_BAR_DQ_FULL, number_of_threads=nthr)
-                cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block, 0])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
@@ -583,8 +503,7 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
+            _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
             buf = it % 2
 
@@ -648,10 +567,11 @@ class FlashBwdSm90:
 
             # dV and dQ done; dK may still run.
             warpgroup.wait_group(1)
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + dq_bar_off, number_of_threads=dq_threads)
+            cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                              number_of_threads=dq_threads)
             cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + dq_bar_off,
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
                                      number_of_threads=dq_threads)
 
             warpgroup.wait_group(0)

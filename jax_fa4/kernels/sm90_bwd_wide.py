@@ -79,7 +79,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
@@ -90,20 +90,18 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
+from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
 
 LOG2_E = math.log2(math.e)
 
-# The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
-SM90_MAX_SMEM_BYTES = 227 * 1024
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_P = 1  # both MMA warpgroups: P of this query block is in SMEM
 _BAR_DS = 2  # both MMA warpgroups: dS of this query block is in SMEM
-_BAR_DQ_FULL = 3  # MMA warpgroups -> dQ warp: the dQ partial tile is in SMEM
-_BAR_DQ_EMPTY = 4  # dQ warp -> MMA warpgroups: the dQ SMEM tile may be overwritten
+# The dQ hand-off (Sm90BwdCommon): FlashBwdSm90Wide.bar_dq_full = 3, bar_dq_empty = 4.
 
 
 @dataclass(frozen=True)
@@ -170,7 +168,7 @@ def _store_dq_smem(acc: cute.Tensor, tCcC: cute.Tensor, sdQ_base: cute.Pointer,
         cute.autovec_copy(src, dst)
 
 
-class FlashBwdSm90Wide:
+class FlashBwdSm90Wide(Sm90BwdCommon):
     """Backward main kernel for sm_90a at head dim 256; see the module docstring.
 
     Same constructor and call signature as `FlashBwdSm90`.
@@ -182,6 +180,9 @@ class FlashBwdSm90Wide:
       softmax_scale: scale applied to Q K^T.
       tiles: BwdTilesWide (or an object with the same fields); only the defaults fit.
     """
+
+    bar_dq_full = 3
+    bar_dq_empty = 4
 
     def __init__(
         self,
@@ -321,10 +322,7 @@ class FlashBwdSm90Wide:
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
-        smem_bytes = SharedStorage.size_in_bytes()
-        if const_expr(smem_bytes > SM90_MAX_SMEM_BYTES):
-            raise ValueError(f"FlashBwdSm90Wide needs {smem_bytes} bytes of SMEM, "
-                             f"more than the {SM90_MAX_SMEM_BYTES} sm_90 allows")
+        self.check_smem(SharedStorage)
 
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
@@ -336,7 +334,7 @@ class FlashBwdSm90Wide:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            smem=smem_bytes,
+            smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -376,8 +374,6 @@ class FlashBwdSm90Wide:
         bytes_kv: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
-        tm, tn = self.tile_m, self.tile_n
-        st = self.tiles.stages_qdo
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -389,19 +385,7 @@ class FlashBwdSm90Wide:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # One arrive per consumer warp (the pipeline elects lane 0 of each warp).
-        consumer_group = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=st,
-            producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_qdo, defer_sync=True)
-        # This one fences and syncs the CTA after both pipelines' mbarrier inits.
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
-            producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_kv, defer_sync=False)
+        pipe_qdo, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -413,19 +397,8 @@ class FlashBwdSm90Wide:
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDpsum = storage.sDpsum.get_tensor(sRow_layout)
 
-        # The work list of this CTA: every (q head of the group, query block) pair
-        # that can see at least one key of this block. All three roles walk the same
-        # list, so they agree on every barrier count.
-        seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        group = mQ.shape[2] // mK.shape[2]
-        m_block_max = cute.ceil_div(seqlen_q, tm)
-        m_block_min = Int32(0)
-        if const_expr(self.causal):
-            # First query block holding a query >= this block's first key.
-            m_block_min = cutlass.min(n_block * tn // tm, m_block_max)
-        num_m = m_block_max - m_block_min
-        num_iters = num_m * group
+        group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
@@ -435,8 +408,8 @@ class FlashBwdSm90Wide:
                           pipe_qdo, pipe_kv, n_block, head_kv, batch, group,
                           m_block_min, num_m, num_iters)
             if warp_idx == 1:
-                self.store_dq(mdQaccum, sdQ, tma_dQ, head_kv, batch, group,
-                              m_block_min, num_m, num_iters)
+                self.store_dq_joint(mdQaccum, sdQ, tma_dQ, head_kv, batch, group,
+                                    m_block_min, num_m, num_iters)
         else:
             cute.arch.setmaxregister_increase(self.tiles.regs_mma)
             self.mma(mdK, mdV, sQ, sK, sV, sdO, sP, sdS, storage.sdQ.data_ptr(), sdQ_layout,
@@ -444,84 +417,6 @@ class FlashBwdSm90Wide:
                      mma_sdp, mma_dkv, mma_dq, pipe_qdo, pipe_kv,
                      tidx - 128, n_block, head_kv, batch, seqlen_k,
                      m_block_min, num_m, num_iters)
-
-    @cute.jit
-    def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
-             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
-             pipe_qdo, pipe_kv, n_block, head_kv, batch, group, m_block_min, num_m,
-             num_iters):
-        """Warp 0: K and V of this block once, then Q, dO and their row statistics
-        per work item (one mbarrier transaction per item)."""
-        tm, tn = self.tile_m, self.tile_n
-        d, dv = self.head_dim, self.head_dim_v
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-            cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-            cute.group_modes(gV, 0, 2))
-        if num_iters > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_kv.producer_acquire(kv_state)
-            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
-        for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group + h_off
-            gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
-            gLSE = cute.local_tile(mLSElog2[None, head_q, batch], (tm,), (None,))
-            gDpsum = cute.local_tile(mDpsum[None, head_q, batch], (tm,), (None,))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                cute.group_modes(gdO, 0, 2))
-            tLsL, tLgL = cpasync.tma_partition(
-                tma_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
-                cute.group_modes(gLSE, 0, 1))
-            tDsD, tDgD = cpasync.tma_partition(
-                tma_Dpsum, 0, cute.make_layout(1), cute.group_modes(sDpsum, 0, 1),
-                cute.group_modes(gDpsum, 0, 1))
-            pipe_qdo.producer_acquire(state)
-            bar = pipe_qdo.producer_get_barrier(state)
-            s = state.index
-            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
-            state.advance()
-
-    @cute.jit
-    def store_dq(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min, num_m,
-                 num_iters):
-        """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
-        tm, d = self.tile_m, self.head_dim
-        nthr = self.num_mma_threads + 32
-        for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group + h_off
-            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
-            tsdQ, tgdQ = cpasync.tma_partition(
-                tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                cute.group_modes(gdQ, 0, 2))
-            # The SMEM tile is free (the previous reduce has read it): let the MMA
-            # warpgroups write the next partial.
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY, number_of_threads=nthr)
-            cute.arch.barrier(barrier_id=_BAR_DQ_FULL, number_of_threads=nthr)
-            cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # The reduce-adds must land before the kernel ends.
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def mma(self, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ_base, sdQ_layout, sLSE, sDpsum,
@@ -587,8 +482,7 @@ class FlashBwdSm90Wide:
         state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
+            _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
             buf = it % 2
 
@@ -660,10 +554,10 @@ class FlashBwdSm90Wide:
             warpgroup.wait_group(1)  # dV^T and dK^T done: nothing reads this stage
             pipe_qdo.consumer_release(state)
             warpgroup.wait_group(0)  # dQ done
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY, number_of_threads=dq_threads)
+            cute.arch.barrier(barrier_id=self.bar_dq_empty, number_of_threads=dq_threads)
             _store_dq_smem(acc_dQ, tdQcdQ, sdQ_base, sdQ_layout)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL, number_of_threads=dq_threads)
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full, number_of_threads=dq_threads)
             state.advance()
         self.store_acc_t(acc_dKt, mdK, thr_dkv, d, self.softmax_scale, n_block, head_kv,
                          batch, seqlen_k)

@@ -40,6 +40,7 @@ from jax_fa4.kernels.cute_utils import (
     permute,
     sm90_smem_layout,
     transpose_smem,
+    wgmma_gemm,
 )
 from jax_fa4.kernels.mask import TileMask
 from jax_fa4.kernels.softmax import (
@@ -143,13 +144,7 @@ def _wgmma(
     wg_wait >= 0 waits until at most that many groups are in flight; -1 returns
     at once (the caller waits later, to overlap).
     """
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
+    wgmma_gemm(tiled_mma, acc, tCrA, tCrB, zero_init)
     if cutlass.const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
 

@@ -1,0 +1,144 @@
+"""What the two sm90 backward main kernels share: their pipelines, the work list of
+a CTA, the load warp, and the joint dQ hand-off.
+
+`FlashBwdSm90` (kernels/sm90_bwd.py, hdim 64 and 128) and `FlashBwdSm90Wide`
+(kernels/sm90_bwd_wide.py, hdim 256) differ in their MMA warpgroups only: both have
+one CTA per (key block, kv head, batch entry), warp 0 loading K and V once and then
+Q, dO, LSElog2 and Dpsum per (query head of the GQA group, query block), and warp 1
+reduce-adding dQ partials into the fp32 accumulator with TMA.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+# The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
+SM90_MAX_SMEM_BYTES = 227 * 1024
+
+
+class Sm90BwdCommon:
+    """Mixin for the sm90 backward kernels. Needs the attributes tile_m, tile_n,
+    head_dim, head_dim_v, causal, num_mma_threads and tiles.stages_qdo, and the
+    named-barrier ids bar_dq_full (MMA warpgroups -> dQ warp: the dQ partial tile is
+    in SMEM) and bar_dq_empty (dQ warp -> MMA warpgroups: it may be overwritten)."""
+
+    def check_smem(self, storage_cls) -> None:
+        """Refuse at compile time a configuration whose SMEM a CTA cannot have."""
+        smem_bytes = storage_cls.size_in_bytes()
+        if smem_bytes > SM90_MAX_SMEM_BYTES:
+            raise ValueError(f"{type(self).__name__} with {self.tiles} needs {smem_bytes} "
+                             f"bytes of SMEM, more than the {SM90_MAX_SMEM_BYTES} sm_90 allows")
+
+    def make_pipelines(self, storage, bytes_qdo: int, bytes_kv: int):
+        """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0."""
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # One arrive per consumer warp (the pipeline elects lane 0 of each warp).
+        consumer_group = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_qdo = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.tiles.stages_qdo,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=bytes_qdo, defer_sync=True)
+        # This one fences and syncs the CTA after both pipelines' mbarrier inits.
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=bytes_kv, defer_sync=False)
+        return pipe_qdo, pipe_kv
+
+    def work_list(self, n_block, mQ: cute.Tensor, mK: cute.Tensor):
+        """(group, m_block_min, num_m, num_iters): every (query head of the group,
+        query block) pair that can see at least one key of this block, as
+        ``num_iters = num_m * group`` items. All roles walk the same list, so they
+        agree on every barrier count. mQ, mK: (S, D, H, B) views."""
+        group = mQ.shape[2] // mK.shape[2]
+        m_block_max = cute.ceil_div(mQ.shape[0], self.tile_m)
+        m_block_min = Int32(0)
+        if const_expr(self.causal):
+            # First query block holding a query >= this block's first key.
+            m_block_min = cutlass.min(n_block * self.tile_n // self.tile_m, m_block_max)
+        num_m = m_block_max - m_block_min
+        return group, m_block_min, num_m, num_m * group
+
+    @staticmethod
+    def work_item(it, head_kv, group, m_block_min, num_m):
+        """(query head, query block) of work item ``it``."""
+        h_off = it // num_m
+        return head_kv * group + h_off, m_block_min + it - h_off * num_m
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
+             pipe_qdo, pipe_kv, n_block, head_kv, batch, group, m_block_min, num_m,
+             num_iters):
+        """Warp 0: K and V of this block once, then Q, dO and their row statistics
+        per work item (one mbarrier transaction per item)."""
+        tm, tn = self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+            cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+            cute.group_modes(gV, 0, 2))
+        if num_iters > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
+        for it in cutlass.range(num_iters, unroll=1):
+            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+            gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
+            gLSE = cute.local_tile(mLSElog2[None, head_q, batch], (tm,), (None,))
+            gDpsum = cute.local_tile(mDpsum[None, head_q, batch], (tm,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(
+                tma_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
+                cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(
+                tma_Dpsum, 0, cute.make_layout(1), cute.group_modes(sDpsum, 0, 1),
+                cute.group_modes(gDpsum, 0, 1))
+            pipe_qdo.producer_acquire(state)
+            bar = pipe_qdo.producer_get_barrier(state)
+            s = state.index
+            cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, s], tma_bar_ptr=bar)
+            cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, s], tma_bar_ptr=bar)
+            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
+            cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
+            state.advance()
+
+    @cute.jit
+    def store_dq_joint(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
+                       num_m, num_iters):
+        """Warp 1: reduce-add each (tile_m x d) dQ partial tile, written by both MMA
+        warpgroups together, from SMEM into mdQaccum (fp32)."""
+        tm, d = self.tile_m, self.head_dim
+        nthr = self.num_mma_threads + 32
+        for it in cutlass.range(num_iters, unroll=1):
+            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
+            tsdQ, tgdQ = cpasync.tma_partition(
+                tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                cute.group_modes(gdQ, 0, 2))
+            # The SMEM tile is free (the previous reduce has read it): let the MMA
+            # warpgroups write the next partial.
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)
+            cute.arch.barrier(barrier_id=self.bar_dq_full, number_of_threads=nthr)
+            cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # The reduce-adds must land before the kernel ends.
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
