@@ -55,12 +55,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
 from jax_fa4.kernels.cute_utils import (
     convert_to_operand_a,
-    permute,
     sm90_smem_layout,
-    stat_rows_view,
     transpose_smem,
     wgmma_gemm,
 )
@@ -224,30 +221,16 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
-        if const_expr(not (mLSElog2.element_type == mDpsum.element_type
-                           == mdQaccum.element_type == Float32)):
-            raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
-        d, dv = self.head_dim, self.head_dim_v
+        d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
-
-        # (S, D, H, B) views: sequence and head dim first, as the TMA tiles see them.
-        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mdQaccum = permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
-        # (Sq_pad, Hq, B)
-        mLSElog2, mDpsum = [stat_rows_view(t, SEQLEN_Q_PAD) for t in (mLSElog2, mDpsum)]
+        mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
+            mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
         mma_sdp, mma_dk, mma_dv, mma_dq = self._tiled_mmas()
 
-        sQ_layout = sm90_smem_layout(self.dtype, tm, d, st)
-        sdO_layout = sm90_smem_layout(self.dtype, tm, dv, st)
-        sK_layout = sm90_smem_layout(self.dtype, tn, d, None)
-        sV_layout = sm90_smem_layout(self.dtype, tn, dv, None)
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, row_stage = (
+            self.load_layouts())
         # dS^T (tile_n x tile_m, queries contiguous), double buffered.
         sdS_layout = sm90_smem_layout(self.dtype, tn, tm, 2)
         # dQ partial in SMEM: the whole (tile_m, d) tile, or with dq_per_wg one
@@ -255,31 +238,13 @@ class FlashBwdSm90(Sm90BwdCommon):
         dq_part = self._dq_part()
         sdQ_layout = (sm90_smem_layout(Float32, *dq_part, 2) if self.tiles.dq_per_wg
                       else sm90_smem_layout(Float32, tm, d, None))
-        # One row-statistics stage per Q/dO stage; each stage starts 128-byte aligned
-        # (a TMA destination must), so 80 rows take 96 floats.
-        row_stage = (tm + 31) // 32 * 32
-        sRow_layout = cute.make_layout((tm, st), stride=(1, row_stage))
 
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_Q, gmem_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
-        tma_dO, gmem_dO = cpasync.make_tiled_tma_atom(
-            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv))
-        tma_K, gmem_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (tn, d))
-        tma_V, gmem_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (tn, dv))
-        tma_LSE, gmem_LSE = cpasync.make_tiled_tma_atom(
-            tma_load, mLSElog2, cute.make_layout(tm), (tm,))
-        tma_Dpsum, gmem_Dpsum = cpasync.make_tiled_tma_atom(
-            tma_load, mDpsum, cute.make_layout(tm), (tm,))
+        ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),
+         (tma_LSE, gmem_LSE), (tma_Dpsum, gmem_Dpsum)), bytes_qdo, bytes_kv = self.load_atoms(
+            mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ_layout, sdO_layout, sK_layout, sV_layout)
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
             cute.select(sdQ_layout, mode=[0, 1]), dq_part if self.tiles.dq_per_wg else (tm, d))
-
-        bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-                     + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
-                     + 2 * tm * 4)
-        bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout)
-                    + cute.size_in_bytes(self.dtype, sV_layout))
 
         @cute.struct
         class SharedStorage:

@@ -11,8 +11,11 @@ reduce-adding dQ partials into the fp32 accumulator with TMA.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
+
+from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
+from jax_fa4.kernels.cute_utils import permute, sm90_smem_layout, stat_rows_view
 
 # The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
 SM90_MAX_SMEM_BYTES = 227 * 1024
@@ -23,6 +26,58 @@ class Sm90BwdCommon:
     head_dim, head_dim_v, causal, num_mma_threads and tiles.stages_qdo, and the
     named-barrier ids bar_dq_full (MMA warpgroups -> dQ warp: the dQ partial tile is
     in SMEM) and bar_dq_empty (dQ warp -> MMA warpgroups: it may be overwritten)."""
+
+    def operand_views(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV):
+        """Check the operands' dtypes and re-view them as the TMA tiles see them:
+        (S, D, H, B) for the [B, S, H, D] tensors, (Sq_pad, D, Hq, B) for dQaccum,
+        (Sq_pad, Hq, B) for the row statistics."""
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                           == mdO.element_type == mdK.element_type == mdV.element_type
+                           == self.dtype)):
+            raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
+        if const_expr(not (mLSElog2.element_type == mDpsum.element_type
+                           == mdQaccum.element_type == Float32)):
+            raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
+        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mdQaccum = permute(mdQaccum, [2, 3, 1, 0])
+        mLSElog2, mDpsum = [stat_rows_view(t, SEQLEN_Q_PAD) for t in (mLSElog2, mDpsum)]
+        return mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV
+
+    def load_layouts(self):
+        """SMEM layouts of what the load warp fills: Q and dO (stages), K, V, and the
+        row statistics, whose stages start 128-byte aligned as a TMA destination must
+        (80 rows take 96 floats). Returns (sQ, sdO, sK, sV, sRow, floats per row stage)."""
+        d, dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
+        st = self.tiles.stages_qdo
+        row_stage = (tm + 31) // 32 * 32
+        return (sm90_smem_layout(self.dtype, tm, d, st),
+                sm90_smem_layout(self.dtype, tm, dv, st),
+                sm90_smem_layout(self.dtype, tn, d, None),
+                sm90_smem_layout(self.dtype, tn, dv, None),
+                cute.make_layout((tm, st), stride=(1, row_stage)), row_stage)
+
+    def load_atoms(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ_layout, sdO_layout, sK_layout,
+                   sV_layout):
+        """TMA atoms and their global views for Q, K, V, dO, LSElog2 and Dpsum (in
+        that order, as (atom, view) pairs), and the transaction bytes of one Q/dO
+        stage and of K + V."""
+        d, dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        atoms = (
+            cpasync.make_tiled_tma_atom(g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d)),
+            cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (tn, d)),
+            cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (tn, dv)),
+            cpasync.make_tiled_tma_atom(g2s, mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv)),
+            cpasync.make_tiled_tma_atom(g2s, mLSElog2, cute.make_layout(tm), (tm,)),
+            cpasync.make_tiled_tma_atom(g2s, mDpsum, cute.make_layout(tm), (tm,)),
+        )
+        bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+                     + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
+                     + 2 * tm * 4)
+        bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout)
+                    + cute.size_in_bytes(self.dtype, sV_layout))
+        return atoms, bytes_qdo, bytes_kv
 
     def check_smem(self, storage_cls) -> None:
         """Refuse at compile time a configuration whose SMEM a CTA cannot have."""

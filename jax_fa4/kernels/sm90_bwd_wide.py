@@ -86,7 +86,6 @@ from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
 from jax_fa4.kernels.cute_utils import (
     permute,
     sm90_smem_layout,
-    stat_rows_view,
     transpose_smem,
     wgmma_gemm,
 )
@@ -254,64 +253,35 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
-        if const_expr(not (mLSElog2.element_type == mDpsum.element_type
-                           == mdQaccum.element_type == Float32)):
-            raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
-        d, dv = self.head_dim, self.head_dim_v
+        d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
-
-        # (S, D, H, B) views: sequence and head dim first, as the TMA tiles see them.
-        mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mdQaccum = permute(mdQaccum, [2, 3, 1, 0])  # (Sq_pad, D, Hq, B)
-        # (Sq_pad, Hq, B)
-        mLSElog2, mDpsum = [stat_rows_view(t, SEQLEN_Q_PAD) for t in (mLSElog2, mDpsum)]
+        mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
+            mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
 
-        sQ_layout = sm90_smem_layout(self.dtype, tm, d, st)
-        sdO_layout = sm90_smem_layout(self.dtype, tm, dv, st)
-        sK_layout = sm90_smem_layout(self.dtype, tn, d, None)
-        sV_layout = sm90_smem_layout(self.dtype, tn, dv, None)
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, row_stage = (
+            self.load_layouts())
         # P (tile_m x tile_n, keys contiguous), double buffered; dS single
         # (Note [P/dS buffers]).
         sP_layout = sm90_smem_layout(self.dtype, tm, tn, 2)
         sdS_layout = sm90_smem_layout(self.dtype, tm, tn, None)
         sdQ_layout = sm90_smem_layout(Float32, tm, d, None)
-        sRow_layout = cute.make_layout((tm, st))
 
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_Q, gmem_Q = cpasync.make_tiled_tma_atom(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
-        tma_dO, gmem_dO = cpasync.make_tiled_tma_atom(
-            tma_load, mdO, cute.select(sdO_layout, mode=[0, 1]), (tm, dv))
-        tma_K, gmem_K = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (tn, d))
-        tma_V, gmem_V = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (tn, dv))
-        tma_LSE, gmem_LSE = cpasync.make_tiled_tma_atom(
-            tma_load, mLSElog2, cute.make_layout(tm), (tm,))
-        tma_Dpsum, gmem_Dpsum = cpasync.make_tiled_tma_atom(
-            tma_load, mDpsum, cute.make_layout(tm), (tm,))
+        ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),
+         (tma_LSE, gmem_LSE), (tma_Dpsum, gmem_Dpsum)), bytes_qdo, bytes_kv = self.load_atoms(
+            mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ_layout, sdO_layout, sK_layout, sV_layout)
         # The 128-byte swizzle of the fp32 tile makes this 8 boxes of 64 x 32.
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (tm, d))
-
-        bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-                     + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
-                     + 2 * tm * 4)
-        bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout)
-                    + cute.size_in_bytes(self.dtype, sV_layout))
 
         @cute.struct
         class SharedStorage:
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
-            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
+            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
