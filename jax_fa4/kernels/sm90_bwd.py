@@ -78,7 +78,7 @@ _BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM
 class BwdTiles:
     """Tuning knobs of the sm90 backward kernel (one row of the table below)."""
 
-    tile_m: int  # query rows per block (64 or 128)
+    tile_m: int  # query rows per block (64, 80 with head dim 128, or 128)
     tile_n: int  # key rows per CTA (64 per MMA warpgroup)
     stages_qdo: int  # Q/dO/LSE/Dpsum SMEM pipeline depth
     regs_producer: int  # setmaxnreg for the load/store warpgroup
@@ -88,8 +88,10 @@ class BwdTiles:
     dq_per_wg: bool = False
 
 
-# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg). Measurements in
-# docs/performance.md ("Backward, sm90 main kernel").
+# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg). Measured on the H200
+# (docs/performance.md, "Backward, sm90 main kernel"): at hdim 128 the per-warpgroup
+# dQ hand-off gained 2-3% and 80-row tiles lost 10%; at hdim 64 the per-warpgroup
+# hand-off spills 48 bytes and is not timed, and 64-row tiles measured the same.
 _TILE_TABLE = {
     (64, False): (128, False),
     (64, True): (128, False),
@@ -102,9 +104,9 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     """The tile table, keyed by head dim and mask (FA3's sm90 backward choices, adapted).
 
     hdim 64: 128 x 128 (S^T per warpgroup 64 x 128, dK/dV 64 x 64 each);
-    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each) or 80 x 128 (dQ computed
-    transposed). They keep about 224 of the 240 registers of an MMA thread live at
-    the peak (80 x 128 spills 64 bytes).
+    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each); 80 x 128 (dQ computed
+    transposed) is a knob, not the default. They keep about 224 of the 240
+    registers of an MMA thread live at the peak (80 x 128 spills 64 bytes).
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
