@@ -3,6 +3,7 @@ and the sm90 swizzled SMEM operand layout."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import cutlass
@@ -21,6 +22,26 @@ def as_cutlass_dtype(dtype: Any, kernel: str) -> type[cutlass.Numeric]:
     if name not in table:
         raise ValueError(f"{kernel} supports bfloat16 and float16, got {dtype!r}")
     return table[name]
+
+
+def init_bwd_kernel(kernel, name: str, dtype, head_dim: int, head_dim_v: int | None,
+                    head_dims: tuple[int, ...], causal: bool,
+                    softmax_scale: float | None) -> None:
+    """Check and store what every backward main kernel takes: dtype (bf16/fp16),
+    head_dim == head_dim_v in ``head_dims``, the mask and the softmax scale
+    (default 1 / sqrt(head_dim))."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if dtype not in (cutlass.BFloat16, cutlass.Float16):
+        raise TypeError(f"{name} needs bf16 or fp16, got {dtype}")
+    if head_dim != head_dim_v or head_dim not in head_dims:
+        raise ValueError(f"{name} needs head_dim == head_dim_v in {head_dims}, "
+                         f"got {head_dim}, {head_dim_v}")
+    kernel.dtype = dtype
+    kernel.head_dim = head_dim
+    kernel.head_dim_v = head_dim_v
+    kernel.causal = causal
+    kernel.softmax_scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
+                            else float(softmax_scale))
 
 
 def permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:

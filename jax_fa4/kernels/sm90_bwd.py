@@ -57,6 +57,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
     convert_to_operand_a,
+    init_bwd_kernel,
     sm90_smem_layout,
     transpose_smem,
     wgmma_gemm,
@@ -137,18 +138,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         softmax_scale: float | None = None,
         tiles: BwdTiles | None = None,
     ):
-        head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if dtype not in (cutlass.BFloat16, cutlass.Float16):
-            raise TypeError(f"sm90 backward needs bf16 or fp16, got {dtype}")
-        if head_dim != head_dim_v or head_dim not in (64, 128):
-            raise ValueError(f"sm90 backward needs head_dim == head_dim_v in (64, 128), "
-                             f"got {head_dim}, {head_dim_v}")
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
-        self.causal = causal
-        self.softmax_scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
-                              else float(softmax_scale))
+        init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
+                        softmax_scale)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
