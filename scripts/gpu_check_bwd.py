@@ -58,6 +58,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dq_per_wg=True)
         elif knob == "joint":  # dQ handed off by both warpgroups together
             tiles = dataclasses.replace(tiles, dq_per_wg=False)
+        elif knob in ("dvlate", "dvearly"):  # dV issued after / before dS^T
+            tiles = dataclasses.replace(tiles, dv_before_ds=knob == "dvearly")
         elif knob != "default":
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -253,7 +255,7 @@ def main():
     ap.add_argument("--variants", default="default",
                     help="comma-separated: default (the tile table), m64, m80, m128 (query tile), "
                          "s2, s3 (Q/dO stages), pwg / joint (dQ hand-off per warpgroup "
-                         "/ joint), combined with +, e.g. m80+pwg")
+                         "/ joint), dvlate / dvearly (dV GEMM issued after / before dS^T), combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

@@ -2,12 +2,17 @@
 
 Lowers FlashBwdSm90 through cutlass.jax.cutlass_call for sm_90a (cute.compile runs
 on the CPU, no GPU needed) with dynamic B, S, H (divisibility 1) and checks that the
-HLO holds the custom call. For one configuration it also reads the SASS: wgmma
-(HGMMA) present, no local-memory spills, setmaxnreg kept.
+HLO holds the custom call. For every configuration of the tile table it also reads
+the SASS: wgmma (HGMMA) present and not serialised, no local-memory spills,
+setmaxnreg kept, dK/dV stored by TMA; and where ptxas is on PATH, that ptxas
+reports no wgmma advisory (C75xx) and no spills.
 """
 
 import glob
 import importlib.util
+import re
+import shutil
+import subprocess
 
 import jax.numpy as jnp
 import pytest
@@ -102,8 +107,10 @@ def test_bwd_rejects_unsupported_head_dim():
 
 
 @needs_cutlass
-def test_bwd_sass(tmp_path):
-    _lower_bwd(jnp.bfloat16, 128, False,
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_sass(tmp_path, head_dim, causal):
+    _lower_bwd(jnp.bfloat16, head_dim, causal,
                compile_options=f"--keep-ptx --keep-sass --dump-dir={tmp_path}")
     sass_files = glob.glob(str(tmp_path / "*.sass"))
     if not sass_files:
@@ -115,3 +122,25 @@ def test_bwd_sass(tmp_path):
     # A handful of spilled scalars outside the GEMMs is tolerated; arrays in
     # local memory are not.
     assert spills <= 16, f"{spills} local-memory instructions in the SASS"
+    # dK and dV leave by TMA store from SMEM, not by per-thread global stores (which
+    # cost about a tenth of the MMA warps' time, docs/performance.md).
+    assert sass.count("UTMASTG") >= 2, "the dK/dV epilogue lost its TMA stores"
+    plain_stores = [ln for ln in sass.splitlines() if " STG." in ln or "\tSTG." in ln]
+    assert not plain_stores, f"plain global stores in the main kernel: {plain_stores[:3]}"
+    # Serialised wgmmas (ptxas C7512, "insufficient register resources") carry a
+    # completion wait on every HGMMA; healthy code waits once per GEMM (5 per
+    # block) and at the end of a block. hdim 64 with dV issued before dS^T was
+    # serialised and ran 21% slower on the H200.
+    hgmma = len(re.findall(r"\bHGMMA\.", sass))
+    waits_all = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass))
+    assert waits_all <= 4, f"{waits_all} full wgmma waits for {hgmma} HGMMAs: serialised"
+
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    ptx = sorted(glob.glob(str(tmp_path / "*.ptx")))
+    assert ptx, "no PTX was dumped"
+    proc = subprocess.run(["ptxas", "-v", "-arch=sm_90a", ptx[0], "-o", ptx[0] + ".cubin"],
+                          capture_output=True, text=True, check=False)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert "(C75" not in report, report

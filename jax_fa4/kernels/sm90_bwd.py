@@ -21,12 +21,14 @@ for its own 64 keys (Note [Transposed scores]):
   dK  += dS^T Q   (A operand dS^T from registers)
   dQ   = dS K     (dS from shared memory: every warpgroup needs all keys)
 
-Order within one query block: S^T and dP^T issued together; P^T while dP^T runs;
-dV issued at once and runs during dS^T; dS^T stored to SMEM (double buffered);
-one barrier over both warpgroups; dQ then dK issued; the dQ partial goes to the
-dQ warp through SMEM while dK still runs. With `dq_per_wg` each warpgroup hands
-over its own part of the dQ tile (own SMEM part, own barrier pair, own TMA
-reduce), so the warpgroups meet only at the dS barrier.
+Order within one query block: S^T and dP^T issued together (this thread's LSElog2
+values load meanwhile); P^T while dP^T runs; dS^T; dS^T stored to SMEM (double
+buffered); dV issued; one barrier over both warpgroups (dV runs through it); dQ
+then dK issued; the dQ partial goes to the dQ warp through SMEM while dK still
+runs. With `dq_per_wg` each warpgroup hands over its own part of the dQ tile (own
+SMEM part, own barrier pair, own TMA reduce), so the warpgroups meet only at the
+dS barrier. After the walk dK and dV go through SMEM (the K and V tiles) and
+leave by TMA store.
 
 Note [Transposed scores]: with S^T a warpgroup's accumulator rows are its own
 keys, which are exactly the rows of its dV and dK tiles, so P^T and dS^T feed
@@ -41,7 +43,7 @@ past seqlen_q set to +inf / 0 by the preprocess kernel, so P = exp2(-inf) = 0
 there and with it dS = 0: those queries add exact zeros to dV, dK and to the
 padding rows of dQaccum. Keys past seqlen_k (and, causal, keys after the query)
 get S = -inf, hence P = 0, in the blocks that contain any; their dK/dV rows are
-never stored (predicated epilogue).
+never stored (the epilogue's TMA store clips them).
 """
 
 import logging
@@ -87,17 +89,24 @@ class BwdTiles:
     # Each MMA warpgroup hands its own part of the dQ partial to the dQ warp (own
     # SMEM tile and barrier pair, one TMA reduce each) instead of both together.
     dq_per_wg: bool = False
+    # Issue dV += P^T dO before computing dS^T (it runs meanwhile) or after storing
+    # dS^T (it runs while the warpgroups meet at the dS barrier). Before pins P^T
+    # and the dV accumulator under an in-flight wgmma while S^T, dP^T and dS^T are
+    # live: at hdim 64 with 128-row tiles that is more than 240 registers, and
+    # ptxas then serialises every wgmma (C7512; 21% slower on the H200).
+    dv_before_ds: bool = False
 
 
-# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg). Measured on the H200
-# (docs/performance.md, "Backward, sm90 main kernel"): at hdim 128 the per-warpgroup
-# dQ hand-off gained 2-3% and 80-row tiles lost 10%; at hdim 64 the per-warpgroup
-# hand-off spills 48 bytes and is not timed, and 64-row tiles measured the same.
+# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds). Measured
+# on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim 128 the
+# per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10%, and issuing dV after
+# dS^T measured the same or 1% faster; at hdim 64 issuing dV after dS^T removed the
+# wgmma serialisation (+21%) and the per-warpgroup hand-off then gained 2-5%.
 _TILE_TABLE = {
-    (64, False): (128, False),
-    (64, True): (128, False),
-    (128, False): (64, True),
-    (128, True): (64, True),
+    (64, False): (128, True, False),
+    (64, True): (128, True, False),
+    (128, False): (64, True, False),
+    (128, True): (64, True, False),
 }
 
 
@@ -106,14 +115,15 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
 
     hdim 64: 128 x 128 (S^T per warpgroup 64 x 128, dK/dV 64 x 64 each);
     hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each); 80 x 128 (dQ computed
-    transposed) is a knob, not the default. They keep about 224 of the 240
-    registers of an MMA thread live at the peak (80 x 128 spills 64 bytes).
+    transposed) is a knob, not the default. Both issue dV after dS^T, which keeps
+    every wgmma asynchronous within the 240 registers of an MMA thread (80 x 128
+    spills 64 bytes).
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
-    tile_m, dq_per_wg = _TILE_TABLE[(head_dim, bool(causal))]
+    tile_m, dq_per_wg, dv_before_ds = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
-                    dq_per_wg=dq_per_wg)
+                    dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds)
 
 
 class FlashBwdSm90(Sm90BwdCommon):
@@ -238,6 +248,11 @@ class FlashBwdSm90(Sm90BwdCommon):
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
             cute.select(sdQ_layout, mode=[0, 1]), dq_part if self.tiles.dq_per_wg else (tm, d))
+        # dK and dV leave through SMEM (the K and V tiles, free after the walk) by TMA,
+        # which also clips the rows past seqlen_k.
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tma_dK, gmem_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (tn, d))
+        tma_dV, gmem_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (tn, self.head_dim_v))
 
         @cute.struct
         class SharedStorage:
@@ -258,8 +273,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, mdK, mdV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ,
+            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
         ).launch(
@@ -281,8 +296,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         mLSElog2: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
         mDpsum: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
         mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
-        mdK: cute.Tensor,  # (Sk, D, Hkv, B)
-        mdV: cute.Tensor,  # (Sk, Dv, Hkv, B)
+        mdK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
+        mdV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -290,6 +305,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         tma_LSE: cute.CopyAtom,
         tma_Dpsum: cute.CopyAtom,
         tma_dQ: cute.CopyAtom,
+        tma_dK: cute.CopyAtom,
+        tma_dV: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -310,7 +327,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         n_block, head_kv, batch = cute.arch.block_idx()
 
         if warp_idx == 0:
-            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ):
+            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV):
                 cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.utils.SmemAllocator()
@@ -343,7 +360,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                               m_block_min, num_m, num_iters)
         else:
             cute.arch.setmaxregister_increase(self.tiles.regs_mma)
-            self.mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
+            self.mma(mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
                      mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
                      tidx - 128, n_block, head_kv, batch, seqlen_q, seqlen_k,
                      m_block_min, num_m, num_iters)
@@ -379,7 +396,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
+    def mma(self, mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
             mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
             tidx, n_block, head_kv, batch, seqlen_q, seqlen_k,
             m_block_min, num_m, num_iters):
@@ -427,6 +444,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
+        hoist_lse = n_cols <= 16
         # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block.
         stsm = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -470,6 +488,13 @@ class FlashBwdSm90(Sm90BwdCommon):
             wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
             wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+            # This thread's LSElog2 values (one per column) load while the GEMMs run:
+            # read at first use, their latency stalled the exp2 argument (ncu). Only
+            # with 16 columns: 32 (tile_m 128) spill, and so would Dpsum's as well.
+            lse = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
+            if const_expr(hoist_lse):
+                for c in cutlass.range_constexpr(n_cols):
+                    lse[c] = sLSE[tScS[0, c][1], stage]
             warpgroup.wait_group(1)  # S^T done
 
             # Keys past seqlen_k and (causal) keys after the query: S = -inf. Only
@@ -490,13 +515,18 @@ class FlashBwdSm90(Sm90BwdCommon):
                         S[r, c] = S[r, c] if tScS[r, c][0] < limit else -Float32.inf
             # P^T = exp2(S^T * scale * log2 e - LSElog2[query]).
             for c in cutlass.range_constexpr(n_cols):
-                lse = sLSE[tScS[0, c][1], stage]
+                if const_expr(not hoist_lse):
+                    lse[c] = sLSE[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse, fastmath=True)
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
             convert_to_operand_a(acc_S, tdVrP, self.dtype)
-            # dV runs on the tensor cores while dS^T is computed.
-            wgmma_gemm(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], zero_init=False)
-            warpgroup.wait_group(1)  # dP^T done (dV may still run)
+            if const_expr(self.tiles.dv_before_ds):
+                # dV runs on the tensor cores while dS^T is computed.
+                wgmma_gemm(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage],
+                           zero_init=False)
+                warpgroup.wait_group(1)  # dP^T done (dV may still run)
+            else:
+                warpgroup.wait_group(0)  # dP^T done
 
             dP = acc_mn_view(acc_dP)
             for c in cutlass.range_constexpr(n_cols):
@@ -509,6 +539,10 @@ class FlashBwdSm90(Sm90BwdCommon):
             # it - 2, in both warpgroups) finished before either warpgroup passed
             # the barrier of item it - 1.
             cute.copy(copy_ds, thr_copy_ds.retile(tdKrdS), tdSsdS[None, None, None, buf])
+            if const_expr(not self.tiles.dv_before_ds):
+                # dV runs while the warpgroups meet at the dS barrier.
+                wgmma_gemm(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage],
+                           zero_init=False)
             # Generic-proxy SMEM writes must be visible to the async proxy (wgmma).
             cute.arch.fence_view_async_shared()
             ds_bar.arrive_and_wait()
@@ -535,24 +569,42 @@ class FlashBwdSm90(Sm90BwdCommon):
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
             state.advance()
-        self.store_acc(acc_dK, mdK, thr_dk, d, self.softmax_scale, n_block, head_kv, batch,
-                       seqlen_k)
-        self.store_acc(acc_dV, mdV, thr_dv, dv, 1.0, n_block, head_kv, batch, seqlen_k)
+        self.epilogue(acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv, ds_bar,
+                      tidx, n_block, head_kv, batch)
 
     @cute.jit
-    def store_acc(self, acc, mX, thr, width: cutlass.Constexpr[int],
-                  scale: cutlass.Constexpr[float], n_block, head_kv, batch, seqlen_k):
-        """dK = scale * sum dS^T Q and dV, straight from registers to global memory."""
+    def epilogue(self, acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv,
+                 mma_bar, tidx, n_block, head_kv, batch):
+        """dK = scale * sum dS^T Q and dV: registers -> SMEM (stmatrix into the K and V
+        tiles) -> global memory (one TMA store each, clipped at seqlen_k).
+
+        Writing them from registers with 4-byte stores instead used half of every
+        32-byte sector and, by Nsight Compute's samples, about a tenth of the MMA
+        warps' time in the causal hdim 128 backward at 4k (docs/performance.md)."""
         tn = self.tile_n
-        gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, 0))
-        tXgX = thr.partition_C(gX)
-        tXcX = thr.partition_C(cute.make_identity_tensor((tn, width)))
-        rX = cute.make_fragment_like(acc, self.dtype)
-        if const_expr(scale != 1.0):
-            rX.store((acc.load() * scale).to(self.dtype))
-        else:
-            rX.store(acc.load().to(self.dtype))
-        row_limit = seqlen_k - n_block * tn
-        for i in cutlass.range_constexpr(cute.size(rX)):
-            if tXcX[i][0] < row_limit:
-                tXgX[i] = rX[i]
+        stsm = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        rdK = cute.make_fragment_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * self.softmax_scale).to(self.dtype))
+        rdV = cute.make_fragment_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        # Both warpgroups' GEMMs that read K or V (the dQ GEMM reads all of K) are
+        # done: each waited for its last wgmma group at the end of the walk.
+        mma_bar.arrive_and_wait()
+        for acc_bf, mma, s in ((rdK, mma_dk, sK), (rdV, mma_dv, sV)):
+            thr = cute.make_tiled_copy_C(stsm, mma).get_slice(tidx)
+            cute.copy(stsm, thr.retile(acc_bf), thr.partition_D(s))
+        # The st.matrix writes must be visible to the TMA engine before it reads.
+        cute.arch.fence_view_async_shared()
+        mma_bar.arrive_and_wait()
+        if tidx == 0:
+            for atom, s, m, width in ((tma_dK, sK, mdK, self.head_dim),
+                                      (tma_dV, sV, mdV, self.head_dim_v)):
+                g = cute.local_tile(m[None, None, head_kv, batch], (tn, width), (n_block, 0))
+                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                               cute.group_modes(s, 0, 2),
+                                               cute.group_modes(g, 0, 2))
+                cute.copy(atom, ts, tg)
+            cute.arch.cp_async_bulk_commit_group()
+            # SMEM must stay valid until the TMA engine has read it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
