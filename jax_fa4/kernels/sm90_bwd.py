@@ -490,7 +490,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
             # This thread's LSElog2 values (one per column) load while the GEMMs run:
             # read at first use, their latency stalled the exp2 argument (ncu). Only
-            # with 16 columns: 32 (tile_m 128) spill, and so would Dpsum's as well.
+            # with 16 columns: 32 of them (tile_m 128) spill, and hoisting Dpsum's
+            # 16 as well spilled (with dV issued before dS^T).
             lse = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
             if const_expr(hoist_lse):
                 for c in cutlass.range_constexpr(n_cols):
