@@ -35,6 +35,7 @@ from cutlass.jax import TensorSpec, cutlass_call, get_export_disabled_safety_che
 from jax import export  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jax_fa4.kernels.dq_layout import unflatten_dq_accum  # noqa: E402
 from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles  # noqa: E402
 
 log = logging.getLogger("gpu_check_bwd")
@@ -60,6 +61,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dq_per_wg=False)
         elif knob in ("dvlate", "dvearly"):  # dV issued after / before dS^T
             tiles = dataclasses.replace(tiles, dv_before_ds=knob == "dvearly")
+        elif knob in ("flat", "tma"):  # dQ: flat order + bulk reduce / TMA tensor reduce
+            tiles = dataclasses.replace(tiles, dq_flat=knob == "flat")
         elif knob != "default":
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -129,7 +132,20 @@ def pad_stats(dpsum, lse_log2):
     return (jnp.pad(dpsum, widths), jnp.pad(lse_log2, widths, constant_values=jnp.inf))
 
 
-def make_runner(kcall, scale, causal):
+def flat_tile_m(d, causal, variant):
+    """The main kernel's query tile if it writes dQaccum in flat order, else None."""
+    tiles = make_tiles(d, causal, variant)
+    return tiles.tile_m if tiles.dq_flat else None
+
+
+def jnp_postprocess(dq_accum, sq, scale, dtype, tile_m):
+    """What bwd_postprocess.py computes (after undoing the flat order, if any)."""
+    if tile_m is not None:
+        dq_accum = unflatten_dq_accum(dq_accum, tile_m)
+    return (scale * dq_accum[:, :, :sq]).transpose(0, 2, 1, 3).astype(dtype), dq_accum
+
+
+def make_runner(kcall, scale, causal, tile_m=None):
     @jax.jit
     def run(q, k, v, do):
         f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
@@ -145,8 +161,7 @@ def make_runner(kcall, scale, causal):
         dpsum, lse_log2 = pad_stats(dpsum, lse32 * LOG2_E)
         dq_accum = jnp.zeros((bsz, hq, round_up(sq, 128), d), jnp.float32)
         dq_accum, dk, dv = kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
-        # jnp postprocess: what bwd_postprocess.py computes.
-        dq = (scale * dq_accum[:, :, :sq]).transpose(0, 2, 1, 3).astype(q.dtype)
+        dq, dq_accum = jnp_postprocess(dq_accum, sq, scale, q.dtype, tile_m)
         pad_max = jnp.max(jnp.abs(dq_accum[:, :, sq:])) if dq_accum.shape[2] > sq else 0.0
         return (dq, dk, dv), ref, lo, pad_max
     return run
@@ -214,7 +229,7 @@ def time_one(kcall, causal, rows, variant, d=128):
         dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
         dq_accum = jnp.zeros((b, h, round_up(s, 128), d), jnp.float32)
         dq_accum, dk, dv = kcall(q, k, v, do, lse, dpsum, dq_accum)
-        dq = (scale * dq_accum[:, :, :s]).transpose(0, 2, 1, 3).astype(q.dtype)
+        dq, _ = jnp_postprocess(dq_accum, s, scale, q.dtype, flat_tile_m(d, causal, variant))
         return dq, dk, dv
 
     t_main = bench(main_only, (q, k, v, do, lse_log2, dpsum))
@@ -255,7 +270,9 @@ def main():
     ap.add_argument("--variants", default="default",
                     help="comma-separated: default (the tile table), m64, m80, m128 (query tile), "
                          "s2, s3 (Q/dO stages), pwg / joint (dQ hand-off per warpgroup "
-                         "/ joint), dvlate / dvearly (dV GEMM issued after / before dS^T), combined with +, e.g. m80+pwg")
+                         "/ joint), dvlate / dvearly (dV GEMM issued after / before dS^T), "
+                         "flat / tma (dQ in flat order by bulk reduce / row-major by TMA "
+                         "tensor reduce), combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")
@@ -300,7 +317,8 @@ def main():
         scale = 1.0 / math.sqrt(d)
         tag = f"{variant} {dtype.__name__} d{d} c{int(causal)}"
         try:
-            run = make_runner(make_kcall(dtype, d, causal, scale, variant), scale, causal)
+            run = make_runner(make_kcall(dtype, d, causal, scale, variant), scale, causal,
+                              flat_tile_m(d, causal, variant))
         except Exception as e:
             log.exception("build failed")
             rows.append((tag, f"BUILD FAIL {e}"))

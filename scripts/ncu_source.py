@@ -64,7 +64,8 @@ def summarise(name, header, rows, top):
     for r in rows:
         ways = num(r.get("L1 Conflicts Shared N-Way", "0"))
         if ways > 1 and not r["Source"].strip().startswith("HGMMA"):
-            print(f"  shared {ways:.0f}-way  x{r['Instructions Executed']}  {r['Source'].strip()[:70]}")
+            src = r["Source"].strip()[:70]
+            print(f"  shared {ways:.0f}-way  x{r['Instructions Executed']}  {src}")
     excess = [r for r in rows if num(r.get("L2 Theoretical Sectors Global Excessive", "0")) > 0]
     if excess:
         print(f"  {len(excess)} instructions with excessive global sectors, e.g. "

@@ -5,13 +5,15 @@ Lowers each kernel through cutlass.jax.cutlass_call for sm_90a and sm_100a
 the custom call. Shapes are dynamic (divisibility 1 on B, S, H), as in use.
 """
 
+import glob
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_compile import lower
+from kernel_compile import dump_options, lower
 
 from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
 from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess, bwd_workspace_shapes
@@ -60,6 +62,37 @@ def test_postprocess_compiles(arch, dtype, head_dim):
     text = lower(lambda: FlashBwdPostprocess(dtype, head_dim, head_dim**-0.5), arch,
                  (jax.ShapeDtypeStruct(shape, f32),), (out,))
     assert "custom_call" in text
+
+
+@needs_cutlass
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64)])
+def test_postprocess_flat_compiles(tmp_path, dtype, tile_m, head_dim):
+    """The sm90 backward's flat dQaccum order (Note [Flat dQ accumulator]): each
+    thread reads its 32 floats as 8 coalesced 128-bit loads, writes 16-bit dQ to
+    SMEM with stmatrix, and one TMA store writes the tile."""
+    batch, seqlen, heads = 2, 203, 3
+    shape, f32 = bwd_workspace_shapes(batch, seqlen, heads, head_dim)["dQaccum"]
+    out = jax.ShapeDtypeStruct((batch, seqlen, heads, head_dim), dtype)
+    text = lower(lambda: FlashBwdPostprocess(dtype, head_dim, head_dim**-0.5, tile_m), "sm_90a",
+                 (jax.ShapeDtypeStruct(shape, f32),), (out,),
+                 compile_options=dump_options(tmp_path))
+    assert "custom_call" in text
+    sass_files = glob.glob(str(tmp_path / "*.sass"))
+    if not sass_files:
+        pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
+    sass = open(sass_files[0]).read()
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == 8
+    assert "STSM" in sass and "UTMASTG" in sass
+    assert not re.findall(r"\b(LDL|STL)\b", sass)
+
+
+@needs_cutlass
+def test_postprocess_rejects_a_flat_order_it_cannot_read():
+    with pytest.raises(ValueError, match="flat"):
+        FlashBwdPostprocess(jnp.bfloat16, 128, 0.1, flat_tile_m=80)
+    with pytest.raises(ValueError, match="flat"):
+        FlashBwdPostprocess(jnp.bfloat16, 256, 0.1, flat_tile_m=64)
 
 
 @needs_cutlass

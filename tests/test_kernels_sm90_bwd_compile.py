@@ -40,13 +40,16 @@ def test_bwd_compiles(head_dim, causal):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("head_dim,tile_m,dq_per_wg,stages",
-                         [(128, 80, False, 2), (128, 80, True, 2), (128, 64, False, 2),
-                          (64, 128, True, 2), (128, 64, True, 3), (64, 64, True, 3)])
-def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg, stages):
+@pytest.mark.parametrize("head_dim,tile_m,dq_per_wg,stages,flat",
+                         [(128, 80, False, 2, False), (128, 80, True, 2, False),
+                          (128, 64, False, 2, True), (128, 64, True, 2, False),
+                          (64, 128, False, 2, False), (64, 128, True, 2, False),
+                          (128, 64, True, 3, True), (64, 64, True, 3, True)])
+def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg, stages, flat):
     """The tuning table's alternatives: 80-row query tiles (dQ computed transposed),
-    the per-warpgroup or joint dQ hand-off, 3 Q/dO stages (226 of the 227 KiB of SMEM),
-    causal (diagonal masking) on an odd GQA shape."""
+    the per-warpgroup or joint dQ hand-off, the flat dQ order with bulk reduces or the
+    row-major one with TMA tensor reduces, 3 Q/dO stages (226 of the 227 KiB of
+    SMEM), causal (diagonal masking) on an odd GQA shape."""
     import dataclasses
 
     import cutlass
@@ -54,7 +57,7 @@ def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg, stages):
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
     tiles = dataclasses.replace(bwd_tiles(head_dim, True), tile_m=tile_m, dq_per_wg=dq_per_wg,
-                                stages_qdo=stages)
+                                stages_qdo=stages, dq_flat=flat)
     ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
     text = lower(lambda: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, True,
                                       head_dim**-0.5, tiles=tiles),
@@ -89,6 +92,20 @@ def test_bwd_rejects_80_row_tiles_below_hdim_128():
     with pytest.raises(ValueError, match="head_dim 128"):
         FlashBwdSm90(cutlass.BFloat16, 64, 64, False, 0.1,
                      tiles=dataclasses.replace(bwd_tiles(64, False), tile_m=80))
+
+
+@needs_cutlass
+def test_bwd_rejects_flat_dq_with_80_row_tiles():
+    """The flat dQ order needs 64-row wgmma atoms; 80-row tiles compute dQ^T."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    with pytest.raises(ValueError, match="dq_flat"):
+        FlashBwdSm90(cutlass.BFloat16, 128, 128, False, 0.1,
+                     tiles=dataclasses.replace(bwd_tiles(128, False), tile_m=80, dq_flat=True))
 
 
 @needs_cutlass
@@ -134,6 +151,17 @@ def test_bwd_sass(tmp_path, head_dim, causal):
     hgmma = len(re.findall(r"\bHGMMA\.", sass))
     waits_all = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass))
     assert waits_all <= 4, f"{waits_all} full wgmma waits for {hgmma} HGMMAs: serialised"
+    # The table's dQ hand-off: each thread stores its 32 dQ floats as 8 conflict-free
+    # 128-bit stores in register order, and the dQ warp adds each warpgroup's part
+    # with one 1-D bulk reduce (Note [Flat dQ accumulator]). 64-bit stores into a
+    # swizzled row-major tile took twice the SMEM wavefronts (docs/performance.md).
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    assert bwd_tiles(head_dim, causal).dq_flat
+    assert len(re.findall(r"\bSTS\.128\b", sass)) == 8, "the dQ partial lost its 128-bit stores"
+    assert not re.findall(r"\bSTS\.64\b", sass), "64-bit SMEM stores are back"
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 2, "one bulk reduce per part"
+    assert "UTMAREDG" not in sass, "the dQ partial went back to a TMA tensor reduce"
 
     if shutil.which("ptxas") is None:
         pytest.skip("ptxas not on PATH")

@@ -5,10 +5,17 @@ fp32 as one contiguous (Sq_pad, D) block. This kernel applies the softmax scale,
 rounds to the input dtype and writes dQ in the layout of q, (B, Sq, Hq, D),
 dropping the padding rows.
 
-Architecture neutral and memory bound: one CTA moves a `tile_m x D` block of one
-(batch, head). Each thread loads 8 consecutive floats (two 128-bit loads) and
-stores them as 8 halves (one 128-bit store), so reads and writes are both
-vectorized and coalesced along D.
+Row-major accumulator (sm100, and the sm90 hdim 256 kernel): architecture neutral
+and memory bound; one CTA moves a `tile_m x D` block of one (batch, head). Each
+thread loads 8 consecutive floats (two 128-bit loads) and stores them as 8 halves
+(one 128-bit store), so reads and writes are both vectorized and coalesced along D.
+
+Flat accumulator (`flat_tile_m`, the sm90 backward at hdim 64/128; Note [Flat dQ
+accumulator] in dq_layout.py): one CTA of two warpgroups per query block of the
+main kernel. Each thread loads the 128-bit chunks its namesake MMA thread stored
+(coalesced), which fills the very register fragment of the main kernel's dQ GEMM;
+the fragment is scaled, rounded and written to SMEM with stmatrix through the same
+tiled MMA, and one TMA store (clipping rows past Sq) writes the (tile_m x D) tile.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ class FlashBwdPostprocess:
     heads are dynamic.
     """
 
-    def __init__(self, dtype, head_dim: int, softmax_scale: float):
+    def __init__(self, dtype, head_dim: int, softmax_scale: float,
+                 flat_tile_m: int | None = None):
         if cutlass is None:
             raise ImportError("FlashBwdPostprocess needs nvidia-cutlass-dsl")
         if head_dim % 8:
@@ -58,6 +66,13 @@ class FlashBwdPostprocess:
         self.head_dim = head_dim
         self.softmax_scale = float(softmax_scale)
         self.tile_m, self.num_threads = postprocess_tiling(head_dim)
+        # The main kernel's query tile when dQaccum is in flat order, else None.
+        self.flat_tile_m = flat_tile_m
+        if flat_tile_m is not None:
+            if flat_tile_m not in (64, 128) or head_dim not in (64, 128):
+                raise ValueError(f"no flat dQ accumulator for tile_m {flat_tile_m}, "
+                                 f"head_dim {head_dim}")
+            self.tile_m, self.num_threads = flat_tile_m, 256
         assert SEQLEN_Q_PAD % self.tile_m == 0
 
     @cute.jit
@@ -73,6 +88,13 @@ class FlashBwdPostprocess:
             raise TypeError("dQ must have the kernel's dtype")
         sdQaccum = bhsd_view(mdQaccum, self.head_dim)  # (Sq_pad, D, Hq, B)
         sdQ = bshd_view(mdQ, self.head_dim)  # (Sq, D, Hq, B)
+        if const_expr(self.flat_tile_m is not None):
+            self.launch_flat(stream, sdQaccum, sdQ)
+        else:
+            self.launch_rows(stream, sdQaccum, sdQ)
+
+    @cute.jit
+    def launch_rows(self, stream: cuda.CUstream, sdQaccum: cute.Tensor, sdQ: cute.Tensor):
         # Both copies give a thread the same 8 consecutive elements of a row:
         # two 128-bit fp32 loads feed one 128-bit 16-bit store, no shuffling.
         vec = 128 // self.dtype.width
@@ -119,6 +141,79 @@ class FlashBwdPostprocess:
         for m in cutlass.range_constexpr(cute.size(tQgdQ, mode=[1])):
             if t0QcdQ[0, m, 0][0] < row_limit:
                 cute.copy(copy_dq, tQrdQ[None, m, None], tQgdQ[None, m, None])
+
+
+    @cute.jit
+    def launch_flat(self, stream: cuda.CUstream, sdQaccum: cute.Tensor, sdQ: cute.Tensor):
+        from cutlass.cute.nvgpu import cpasync
+
+        from jax_fa4.kernels.cute_utils import sm90_smem_layout
+        from jax_fa4.kernels.sm90_bwd_common import dq_tiled_mma
+
+        tm, d = self.tile_m, self.head_dim
+        mma = dq_tiled_mma(self.dtype, tm, d)
+        sdQ_layout = sm90_smem_layout(self.dtype, tm, d, None)
+        tma, gdQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), sdQ,
+                                               sdQ_layout, (tm, d))
+
+        @cute.struct
+        class Storage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)],
+                                   1024]
+
+        grid = (cute.ceil_div(sdQ.shape[0], tm), sdQ.shape[2], sdQ.shape[3])
+        self.kernel_flat(sdQaccum, gdQ, tma, mma, sdQ_layout, Storage).launch(
+            grid=grid, block=(self.num_threads, 1, 1), smem=Storage.size_in_bytes(),
+            stream=stream)
+
+    @cute.kernel
+    def kernel_flat(
+        self,
+        mdQaccum: cute.Tensor,  # (Sq_pad, D, Hq, B) f32, query blocks in flat order
+        mdQ: cute.Tensor,  # TMA view (Sq, D, Hq, B)
+        tma: cute.CopyAtom,
+        mma: cute.TiledMma,
+        sdQ_layout: cute.ComposedLayout,
+        Storage: cutlass.Constexpr,
+    ):
+        from cutlass.cute.nvgpu import cpasync
+
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        tm, d = self.tile_m, self.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        storage = cutlass.utils.SmemAllocator().allocate(Storage)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+
+        # This thread's chunks: 4 floats every 512, as its MMA namesake stored them.
+        thr_mma = mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, d)), Float32)
+        part = cute.size(acc) * 128
+        gblk = cute.local_tile(mdQaccum[None, None, head, batch], (tm, d), (m_block, 0))
+        gpart = cute.make_tensor(gblk.iterator, cute.make_layout((part, 2)))[None, wg]
+        g2r = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout(128), cute.make_layout(4))
+        tg = g2r.get_slice(tidx % 128).partition_S(gpart)
+        cute.copy(g2r, tg, cute.make_tensor(acc.iterator, cute.make_layout(tg.shape)))
+
+        rdQ = cute.make_fragment_like(acc, self.dtype)
+        rdQ.store((acc.load() * self.softmax_scale).to(self.dtype))
+        stsm = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_s = cute.make_tiled_copy_C(stsm, mma).get_slice(tidx)
+        cute.copy(stsm, thr_s.retile(rdQ), thr_s.partition_D(sdQ))
+        # The st.matrix writes must be visible to the TMA engine before it reads.
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            g = cute.local_tile(mdQ[None, None, head, batch], (tm, d), (m_block, 0))
+            ts, tgd = cpasync.tma_partition(tma, 0, cute.make_layout(1),
+                                            cute.group_modes(sdQ, 0, 2),
+                                            cute.group_modes(g, 0, 2))
+            cute.copy(tma, ts, tgd)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 __all__ = ["FlashBwdPostprocess", "postprocess_tiling"]

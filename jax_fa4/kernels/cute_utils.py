@@ -8,8 +8,10 @@ from typing import Any
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import cute
+from cutlass import Int32, cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 
@@ -120,3 +122,27 @@ def stat_rows_view(t: cute.Tensor, row_multiple: int) -> cute.Tensor:
     s = cute.assume(t.shape[2], divby=row_multiple)
     head_stride = cute.assume(cutlass.Int64(s) * h, divby=row_multiple)
     return cute.make_tensor(t.iterator, cute.make_layout((s, h, b), stride=(1, s, head_stride)))
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *, loc=None,
+                        ip=None) -> None:
+    """dst[:] += src[:] for ``num_bytes`` of float32: one 1-D bulk reduce-add from
+    SMEM to global memory, in the calling thread's bulk async-group (commit and wait
+    with ``cp_async_bulk_commit_group`` / ``cp_async_bulk_wait_group``). Both
+    addresses 16-byte aligned, num_bytes a multiple of 16. Issue it from one thread:
+    every thread that executes it adds once. The DSL has the tensor-map form of
+    this instruction only."""
+    if num_bytes % 16:
+        raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
+    llvm.inline_asm(
+        None,
+        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -4,13 +4,14 @@ One CTA owns one key/value block (`tile_n` keys) of one kv head of one batch ent
 and walks every query block of every query head of its GQA group, so dK and dV
 stay in registers for the whole walk (deterministic, no dK/dV atomics). dQ
 partials (sum over this CTA's keys of dS K) are reduce-added into the fp32
-accumulator by TMA.
+accumulator by 1-D bulk reduces, in the flat order of Note [Flat dQ accumulator]
+(dq_layout.py), which the postprocess reads back.
 
 Warp roles (384 threads; the load warp, the work list and the joint dQ hand-off are
 shared with the hdim 256 kernel in sm90_bwd_common.py):
   warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
                         query block, one pipeline stage each)
-                warp 1: TMA reduce-add of the dQ partial tile into mdQaccum
+                warp 1: bulk reduce-add of the dQ partial into mdQaccum
   warpgroups 1-2: the five GEMMs (wgmma) and the pointwise softmax backward
 
 Per query block the MMA warpgroups compute the transposed scores, each warpgroup
@@ -25,9 +26,10 @@ Order within one query block: S^T and dP^T issued together (this thread's LSElog
 values load meanwhile); P^T while dP^T runs; dS^T; dS^T stored to SMEM (double
 buffered); dV issued; one barrier over both warpgroups (dV runs through it); dQ
 then dK issued; the dQ partial goes to the dQ warp through SMEM while dK still
-runs. With `dq_per_wg` each warpgroup hands over its own part of the dQ tile (own
-SMEM part, own barrier pair, own TMA reduce), so the warpgroups meet only at the
-dS barrier. After the walk dK and dV go through SMEM (the K and V tiles) and
+runs: each thread stores its dQ registers in order (8 conflict-free 128-bit
+stores). With `dq_per_wg` each warpgroup hands over its own part of the dQ tile (own
+SMEM part, own barrier pair, own reduce), so the warpgroups meet only at the dS
+barrier. After the walk dK and dV go through SMEM (the K and V tiles) and
 leave by TMA store.
 
 Note [Transposed scores]: with S^T a warpgroup's accumulator rows are its own
@@ -58,13 +60,14 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    bulk_reduce_add_f32,
     convert_to_operand_a,
     init_bwd_kernel,
     sm90_smem_layout,
     transpose_smem,
     wgmma_gemm,
 )
-from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
+from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
@@ -95,18 +98,26 @@ class BwdTiles:
     # live: at hdim 64 with 128-row tiles that is more than 240 registers, and
     # ptxas then serialises every wgmma (C7512; 21% slower on the H200).
     dv_before_ds: bool = False
+    # The dQ partial goes to SMEM in register order (128-bit stores, no bank
+    # conflicts) and to global memory by a 1-D bulk reduce, leaving dQaccum's
+    # query blocks in the flat order of Note [Flat dQ accumulator] (dq_layout.py),
+    # which the postprocess reads back. Else a row-major swizzled tile and a TMA
+    # tensor reduce (row-major dQaccum). Needs tile_m a multiple of 64.
+    dq_flat: bool = False
 
 
-# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds). Measured
-# on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim 128 the
-# per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10%, and issuing dV after
-# dS^T measured the same or 1% faster; at hdim 64 issuing dV after dS^T removed the
-# wgmma serialisation (+21%) and the per-warpgroup hand-off then gained 2-5%.
+# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat).
+# Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
+# 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10%, issuing dV
+# after dS^T measured the same or 1% faster, and the flat dQ order gained 4% (non-
+# causal) / 8% (causal); at hdim 64 issuing dV after dS^T removed the wgmma
+# serialisation (+21%), the per-warpgroup hand-off then gained 2-5%, and the flat
+# dQ order measured level (+0.5%).
 _TILE_TABLE = {
-    (64, False): (128, True, False),
-    (64, True): (128, True, False),
-    (128, False): (64, True, False),
-    (128, True): (64, True, False),
+    (64, False): (128, True, False, True),
+    (64, True): (128, True, False, True),
+    (128, False): (64, True, False, True),
+    (128, True): (64, True, False, True),
 }
 
 
@@ -121,9 +132,16 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
-    tile_m, dq_per_wg, dv_before_ds = _TILE_TABLE[(head_dim, bool(causal))]
+    tile_m, dq_per_wg, dv_before_ds, dq_flat = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
-                    dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds)
+                    dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat)
+
+
+def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
+    """The tile_m of the flat dQaccum order the sm90 backward writes for this
+    configuration (what its postprocess must read), or None for row-major."""
+    t = bwd_tiles(head_dim, causal)
+    return t.tile_m if t.dq_flat else None
 
 
 class FlashBwdSm90(Sm90BwdCommon):
@@ -167,6 +185,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         if self.dq_swap and self.head_dim != 64 * self.num_mma_wg:
             raise ValueError(f"tile_m {self.tile_m} needs head_dim 128, got {head_dim}")
         self.wg_m_dq = 1 if self.dq_swap else self.tile_m // 64
+        if t.dq_flat and self.dq_swap:
+            raise ValueError(f"dq_flat needs tile_m a multiple of 64, got {self.tile_m}")
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -193,11 +213,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             return mma_sdp, mma_dk, mma_dv, mma_dq
         # dQ = dS K: A = dS (tile_m x tile_n) MN-major (SMEM holds dS^T),
         # B = K^T (d x tile_n) MN-major.
-        wg_n_dq = wg // self.wg_m_dq
-        mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (self.wg_m_dq, wg_n_dq, 1),
-            (64, d // wg_n_dq))
-        return mma_sdp, mma_dk, mma_dv, mma_dq
+        return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
 
     def _dq_part(self) -> tuple[int, int]:
         """The (rows, cols) of dQ each MMA warpgroup computes."""
@@ -245,9 +261,14 @@ class FlashBwdSm90(Sm90BwdCommon):
         ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),
          (tma_LSE, gmem_LSE), (tma_Dpsum, gmem_Dpsum)), bytes_qdo, bytes_kv = self.load_atoms(
             mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ_layout, sdO_layout, sK_layout, sV_layout)
-        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
-            cute.select(sdQ_layout, mode=[0, 1]), dq_part if self.tiles.dq_per_wg else (tm, d))
+        if const_expr(self.tiles.dq_flat):
+            # 1-D bulk reduces from plain addresses: no tensor map.
+            tma_dQ, gmem_dQ = None, mdQaccum
+        else:
+            tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                cute.select(sdQ_layout, mode=[0, 1]),
+                dq_part if self.tiles.dq_per_wg else (tm, d))
         # dK and dV leave through SMEM (the K and V tiles, free after the walk) by TMA,
         # which also clips the rows past seqlen_k.
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -295,7 +316,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
         mLSElog2: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
         mDpsum: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
-        mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
+        mdQaccum: cute.Tensor,  # (Sq_pad, D, Hq, B) f32: TMA view, or plain if dq_flat
         mdK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
         tma_Q: cute.CopyAtom,
@@ -304,7 +325,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         tma_dO: cute.CopyAtom,
         tma_LSE: cute.CopyAtom,
         tma_Dpsum: cute.CopyAtom,
-        tma_dQ: cute.CopyAtom,
+        tma_dQ: cute.CopyAtom | None,  # None with dq_flat
         tma_dK: cute.CopyAtom,
         tma_dV: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout,
@@ -328,7 +349,8 @@ class FlashBwdSm90(Sm90BwdCommon):
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -340,7 +362,10 @@ class FlashBwdSm90(Sm90BwdCommon):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        if const_expr(self.tiles.dq_flat):
+            sdQ = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(sdQ_layout)))
+        else:
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDpsum = storage.sDpsum.get_tensor(sRow_layout)
 
@@ -369,7 +394,10 @@ class FlashBwdSm90(Sm90BwdCommon):
     def store_dq(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min, num_m,
                  num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
-        if const_expr(not self.tiles.dq_per_wg):
+        if const_expr(self.tiles.dq_flat):
+            self.store_dq_flat(mdQaccum, sdQ, head_kv, batch, group, m_block_min, num_m,
+                               num_iters)
+        elif const_expr(not self.tiles.dq_per_wg):
             self.store_dq_joint(mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
                                 num_m, num_iters)
         else:
@@ -393,6 +421,38 @@ class FlashBwdSm90(Sm90BwdCommon):
                     cute.copy(tma_dQ, tsdQ[None, w], tgdQ[None, rb, cb])
                     cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def store_dq_flat(self, mdQaccum, sdQ, head_kv, batch, group, m_block_min, num_m,
+                      num_iters):
+        """Warp 1, dq_flat: one 1-D bulk reduce-add per part (per warpgroup with
+        dq_per_wg, else the whole tile) from SMEM into the query block's tile_m * d
+        floats of mdQaccum, in flat order (Note [Flat dQ accumulator])."""
+        tm, d = self.tile_m, self.head_dim
+        n_parts = self.num_mma_wg if const_expr(self.tiles.dq_per_wg) else 1
+        part = tm * d // n_parts
+        nthr = self.num_mma_threads // n_parts + 32
+        lane = cute.arch.lane_idx()
+        for it in cutlass.range(num_iters, unroll=1):
+            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
+            # Each part is free (its previous reduce has read it): let its writers
+            # write the next one. Parts are served in order; their writers never
+            # wait for each other.
+            for w in cutlass.range_constexpr(n_parts):
+                cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                         number_of_threads=nthr)
+            for w in cutlass.range_constexpr(n_parts):
+                cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+                if lane == 0:
+                    bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
+                                        part * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # The reduce-adds must land before the kernel ends.
+        if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
@@ -451,7 +511,18 @@ class FlashBwdSm90(Sm90BwdCommon):
         copy_ds = cute.make_tiled_copy_C(stsm, mma_sdp)
         thr_copy_ds = copy_ds.get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(sdS)
-        if const_expr(self.tiles.dq_per_wg):
+        if const_expr(self.tiles.dq_flat):
+            # Warpgroup w's registers, 4 at a time, thread-interleaved, into floats
+            # [w P, (w + 1) P) (Note [Flat dQ accumulator]).
+            part = cute.size(thr_dq.partition_shape_C((tm, d))) * 128
+            sdQ_wg = cute.make_tensor(sdQ.iterator,
+                                      cute.make_layout((part, self.num_mma_wg)))[None, wg_idx]
+            r2s_dq = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                    num_bits_per_copy=128),
+                cute.make_layout(128), cute.make_layout(4))
+            tdQsdQ = r2s_dq.get_slice(tidx % 128).partition_D(sdQ_wg)
+        elif const_expr(self.tiles.dq_per_wg):
             # View the per-warpgroup parts (rows, cols, wg) as the whole (tile_m, d)
             # tile, so that each thread's dQ elements land in its warpgroup's part.
             # dQ^T (swapped) is viewed as (d, tile_m) directly.
@@ -463,9 +534,11 @@ class FlashBwdSm90(Sm90BwdCommon):
             else:
                 whole = cute.make_layout((a, (b, 2)), stride=(1, (a, a * b)))
             sdQ = cute.composition(sdQ, whole)
-        elif const_expr(self.dq_swap):
-            sdQ = transpose_smem(sdQ)
-        tdQsdQ = thr_dq.partition_C(sdQ)
+            tdQsdQ = thr_dq.partition_C(sdQ)
+        else:
+            if const_expr(self.dq_swap):
+                sdQ = transpose_smem(sdQ)
+            tdQsdQ = thr_dq.partition_C(sdQ)
 
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
         dq_threads = (128 if const_expr(self.tiles.dq_per_wg) else self.num_mma_threads) + 32
@@ -562,7 +635,11 @@ class FlashBwdSm90(Sm90BwdCommon):
             warpgroup.wait_group(1)
             cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
                               number_of_threads=dq_threads)
-            cute.autovec_copy(acc_dQ, tdQsdQ)
+            if const_expr(self.tiles.dq_flat):
+                cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator,
+                                                   cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+            else:
+                cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
                                      number_of_threads=dq_threads)

@@ -21,6 +21,21 @@ from jax_fa4.kernels.cute_utils import permute, sm90_smem_layout, stat_rows_view
 SM90_MAX_SMEM_BYTES = 227 * 1024
 
 
+def dq_tiled_mma(dtype, tile_m: int, head_dim: int, num_wg: int = 2) -> cute.TiledMma:
+    """The tiled MMA of dQ = dS K (tile_m x head_dim, fp32 accumulator) in the sm90
+    backward: one 64-row atom per warpgroup, split along m when tile_m has two,
+    else along d. A = dS read from the dS^T buffer and B = K^T are both MN-major.
+    The postprocess rebuilds it to read the flat dQ accumulator back into the
+    same register fragments (Note [Flat dQ accumulator] in dq_layout.py)."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    mn = cute.nvgpu.OperandMajorMode.MN
+    wg_m = tile_m // 64
+    wg_n = num_wg // wg_m
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, mn, mn, Float32, (wg_m, wg_n, 1), (64, head_dim // wg_n))
+
+
 class Sm90BwdCommon:
     """Mixin for the sm90 backward kernels. Needs the attributes tile_m, tile_n,
     head_dim, head_dim_v, causal, num_mma_threads and tiles.stages_qdo, and the

@@ -91,10 +91,21 @@ def _bwd_kernel(key: KernelKey):
     return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale)
 
 
+def _flat_dq_tile_m(arch: str, head_dim: int, causal: bool) -> int | None:
+    """The query tile of the flat dQaccum order the backward main kernel writes
+    (Note [Flat dQ accumulator]), or None where it writes row-major."""
+    if arch != "sm_90a" or head_dim not in (64, 128):
+        return None
+    from jax_fa4.kernels.sm90_bwd import dq_accum_flat_tile_m
+
+    return dq_accum_flat_tile_m(head_dim, causal)
+
+
 def _post_kernel(key: KernelKey):
     from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
 
-    return FlashBwdPostprocess(_cutlass_dtype(key.dtype), key.head_dim, key.scale)
+    return FlashBwdPostprocess(_cutlass_dtype(key.dtype), key.head_dim, key.scale,
+                               _flat_dq_tile_m(key.arch, key.head_dim, key.causal))
 
 
 def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str):
@@ -130,7 +141,10 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
         out_static=(_BSHD, _BSHD, _BSHD),
         aliases={6: 0},
     )
-    post_key = _key("bwd_post", arch, q, v, AttentionConfig(scale=config.scale, causal=False))
+    # The postprocess reads dQaccum in the order the main kernel's tiles wrote it,
+    # which its tile table may choose per mask.
+    post_key = _key("bwd_post", arch, q, v,
+                    AttentionConfig(scale=config.scale, causal=config.causal))
     (dq,) = kernel_call(
         post_key,
         functools.partial(_post_kernel, post_key),

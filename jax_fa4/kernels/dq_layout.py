@@ -1,0 +1,70 @@
+"""The flat order of the fp32 dQ accumulator written by the sm90 backward (hdim 64/128).
+
+Note [Flat dQ accumulator]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each MMA warpgroup of the sm90 backward holds a 64 x N part of the dQ partial of
+one query block in wgmma accumulator registers: thread t of the warpgroup (warp
+t // 32, lane t % 32) holds, at register v = k + 2 i + 4 j,
+
+    row = 16 (t // 32) + (t % 32) // 4 + 8 i,    col = 8 j + 2 (t % 4) + k.
+
+Writing that into a row-major tile (as a TMA tensor reduce needs) takes 64-bit
+stores that hit every SMEM bank twice (docs/performance.md, v3). Instead each
+thread writes its registers in order, four at a time, thread-interleaved:
+
+    flat = w P + q 512 + 4 t + e,    v = 4 q + e,    P = 64 N floats per part,
+
+one 128-bit store per q, consecutive threads on consecutive 16 bytes (no bank
+conflict), and one 1-D bulk reduce-add moves the part to global memory. The
+(tile_m x D) block of a query block keeps its place in dQaccum (B, Hq, Sq_pad, D);
+only its tile_m * D floats are permuted. The postprocess reads them back in the
+same order into the same register fragment, so it never needs this formula; it is
+spelled out here for checks on the host (tests, scripts/gpu_check_bwd.py).
+
+Warpgroup w owns rows 64 (w % wg_m) and columns N (w // wg_m) of the block, with
+wg_m = tile_m // 64 and N = D * wg_m / num_wg (the tiled MMA's atom layout,
+column-major over (wg_m, wg_n)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WG_THREADS = 128
+VEC = 4  # floats per 128-bit store
+
+
+def flat_dq_rowcol(tile_m: int, head_dim: int, num_wg: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols): position f of a query block's flat tile_m * head_dim floats
+    holds dQ[rows[f], cols[f]] of that block (Note [Flat dQ accumulator])."""
+    if tile_m % 64 or num_wg % (tile_m // 64):
+        raise ValueError(f"tile_m {tile_m} is not 64 rows per warpgroup row")
+    wg_m = tile_m // 64
+    wg_n = num_wg // wg_m
+    n = head_dim // wg_n
+    if n % 8 or n * wg_n != head_dim:
+        raise ValueError(f"head_dim {head_dim} does not split into {wg_n} parts of 8k")
+    f = np.arange(tile_m * head_dim)
+    part = 64 * n
+    w, r = np.divmod(f, part)
+    q, r = np.divmod(r, WG_THREADS * VEC)
+    t, e = np.divmod(r, VEC)
+    i, k = np.divmod(e, 2)
+    j = q
+    rows = 64 * (w % wg_m) + 16 * (t // 32) + (t % 32) // 4 + 8 * i
+    cols = n * (w // wg_m) + 8 * j + 2 * (t % 4) + k
+    return rows, cols
+
+
+def unflatten_dq_accum(acc, tile_m: int, num_wg: int = 2):
+    """(B, Hq, Sq_pad, D) flat-ordered accumulator -> row-major, with jax.numpy or
+    numpy arrays alike (host-side checks only; the postprocess does this on device)."""
+    b, h, s_pad, d = acc.shape
+    rows, cols = flat_dq_rowcol(tile_m, d, num_wg)
+    inverse = np.empty(tile_m * d, dtype=np.int64)
+    inverse[rows * d + cols] = np.arange(tile_m * d)
+    blocks = acc.reshape(b, h, s_pad // tile_m, tile_m * d)
+    return blocks[..., inverse].reshape(b, h, s_pad, d)
+
+
+__all__ = ["flat_dq_rowcol", "unflatten_dq_accum"]

@@ -1,0 +1,102 @@
+"""The flat dQ accumulator order (Note [Flat dQ accumulator], kernels/dq_layout.py).
+
+The host formula is what scripts/gpu_check_bwd.py uses to read the main kernel's
+dQaccum; the kernels themselves never use it (the postprocess rebuilds the dQ
+GEMM's register fragment instead). These tests pin the formula to the wgmma
+accumulator layout: to the PTX ISA's documented fragment and, where the CuTe DSL is
+installed, to the DSL's own partition of the backward's dQ tiled MMA.
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from jax_fa4.kernels.dq_layout import flat_dq_rowcol, unflatten_dq_accum
+
+CONFIGS = [(64, 128), (128, 64), (64, 64), (128, 128)]  # (tile_m, head_dim)
+
+
+@pytest.mark.parametrize("tile_m,head_dim", CONFIGS)
+def test_flat_order_is_a_permutation_of_the_block(tile_m, head_dim):
+    rows, cols = flat_dq_rowcol(tile_m, head_dim)
+    assert rows.min() == 0 and rows.max() == tile_m - 1
+    assert cols.min() == 0 and cols.max() == head_dim - 1
+    assert len(np.unique(rows * head_dim + cols)) == tile_m * head_dim
+
+
+def test_flat_order_follows_the_wgmma_fragment():
+    """PTX ISA, wgmma D fragment of a 64xN f32 accumulator: lane l of warp w holds
+    (16 w + l / 4, 2 (l % 4)) and the next column, then the same 8 rows down, then
+    the next 8 columns."""
+    rows, cols = flat_dq_rowcol(64, 128)  # two warpgroups side by side along d
+    at = {(int(r), int(c)): f for f, (r, c) in enumerate(zip(rows, cols))}
+    # Thread 0, registers 0..3: (0,0) (0,1) (8,0) (8,1), one 16-byte chunk.
+    assert [at[(0, 0)], at[(0, 1)], at[(8, 0)], at[(8, 1)]] == [0, 1, 2, 3]
+    # Thread 1 holds columns 2, 3 of row 0: the next chunk.
+    assert at[(0, 2)] == 4
+    # Thread 4 starts row 1; thread 32 (warp 1) row 16.
+    assert at[(1, 0)] == 16 and at[(16, 0)] == 128
+    # Registers 4..7 of thread 0 are columns 8, 9: one 128-thread stride on.
+    assert at[(0, 8)] == 512
+    # Warpgroup 1 owns columns 64..127 and the second half of the block.
+    assert at[(0, 64)] == 64 * 64
+    rows, cols = flat_dq_rowcol(128, 64)  # two warpgroups stacked along m
+    assert (rows[64 * 64], cols[64 * 64]) == (64, 0)
+
+
+@pytest.mark.parametrize("tile_m,head_dim", CONFIGS)
+def test_unflatten_inverts_the_order(tile_m, head_dim):
+    rng = np.random.default_rng(0)
+    b, h, s_pad = 2, 3, 256
+    dense = rng.standard_normal((b, h, s_pad, head_dim)).astype(np.float32)
+    rows, cols = flat_dq_rowcol(tile_m, head_dim)
+    blocks = dense.reshape(b, h, s_pad // tile_m, tile_m, head_dim)
+    flat = blocks[:, :, :, rows, cols].reshape(dense.shape)
+    assert not np.array_equal(flat, dense)
+    np.testing.assert_array_equal(unflatten_dq_accum(flat, tile_m), dense)
+
+
+def test_rejects_tiles_without_whole_atoms():
+    with pytest.raises(ValueError):
+        flat_dq_rowcol(80, 128)
+    with pytest.raises(ValueError):
+        flat_dq_rowcol(64, 100)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
+                    reason="nvidia-cutlass-dsl not installed")
+@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64)])
+@pytest.mark.filterwarnings("ignore:This static loop")
+def test_flat_order_matches_the_dsl_partition(tile_m, head_dim):
+    """Trace the backward's dQ tiled MMA: register v of MMA thread t must hold the
+    element the flat formula puts at w P + (v // 4) 512 + 4 (t % 128) + v % 4, the
+    spot that thread's 128-bit store writes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from jax_fa4.ffi.bridge import pinned_arch
+    from jax_fa4.kernels.sm90_bwd_common import dq_tiled_mma
+
+    found = {}
+
+    @cute.jit
+    def walk():
+        mma = dq_tiled_mma(cutlass.BFloat16, tile_m, head_dim)
+        ident = cute.make_identity_tensor((tile_m, head_dim))
+        for t in cutlass.range_constexpr(256):
+            thr = mma.get_slice(t)
+            coords = thr.partition_C(ident)
+            n = cute.size(thr.partition_shape_C((tile_m, head_dim)))
+            for v in cutlass.range_constexpr(n):
+                found[(t, v)] = coords[v]
+
+    with pinned_arch("sm_90a"):
+        walk()
+    rows, cols = flat_dq_rowcol(tile_m, head_dim)
+    per_thread = tile_m * head_dim // 256
+    assert len(found) == 256 * per_thread
+    for (t, v), (r, c) in found.items():
+        w, tl = divmod(t, 128)
+        f = w * tile_m * head_dim // 2 + (v // 4) * 512 + 4 * tl + v % 4
+        assert (int(r), int(c)) == (rows[f], cols[f]), (t, v)
