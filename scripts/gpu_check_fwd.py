@@ -185,6 +185,12 @@ def main() -> int:
     ap.add_argument("--wide", action="store_true", help="also time tile_n = 176")
     ap.add_argument("--no-check", action="store_true", help="timing only")
     ap.add_argument(
+        "--tiles",
+        default="",
+        help="comma-separated tile variants of the timed head dim, each checked (bf16, short "
+        "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), joined with +",
+    )
+    ap.add_argument(
         "--wg2",
         action="store_true",
         help="check (hdim 64 only) and time 128 x 128 tiles with 2 consumer WGs",
@@ -228,6 +234,22 @@ def main() -> int:
     )
     if args.wg2:
         variants = [("wg2", wg2)]
+    d_var = 64 if args.hdim64 else d_main
+
+    def tile_variant(spec):
+        t = fwd_tiles(d_var, d_var, False)
+        for knob in spec.split("+"):
+            if knob.startswith("n"):
+                t = dataclasses.replace(t, tile_n=int(knob[1:]))
+            elif knob.startswith("st"):
+                t = dataclasses.replace(t, num_stages=int(knob[2:]))
+            else:
+                raise ValueError(f"unknown tile knob {knob!r}")
+        return t
+
+    extra = [(spec, tile_variant(spec)) for spec in args.tiles.split(",") if spec]
+    if extra:  # check the variants only (the default's checks are the GPU tests)
+        variants = extra
     n_fail = 0
     for vname, tiles in variants if not args.no_check else []:
         for dn, d, causal in configs:
@@ -235,7 +257,10 @@ def main() -> int:
                 continue  # the fallback variant: one config is enough
             if vname == "wg2" and d != 64:
                 continue
+            if vname in dict(extra) and (dn, d) != ("bf16", d_var):
+                continue
             full = not args.quick and dn == "bf16" and d == d_main and vname == "overlap"
+            full = full and not extra
             shapes = SHAPES_FULL if full else SHAPES_SHORT
             if vname == "wg2" and dn == "fp16":
                 shapes = shapes[-1:]  # keep the device run short: bf16 covers the shapes
@@ -274,6 +299,7 @@ def main() -> int:
             timed.append(("wg2", wg2, False))
         if args.wide:
             timed.append(("n176", dataclasses.replace(base, tile_n=176), False))
+        timed += [(spec, t, False) for spec, t in extra]
         for vname, tiles, with_cudnn in timed:
             for causal in (False, True):
                 key, sub = jax.random.split(key)
