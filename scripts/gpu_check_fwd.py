@@ -188,7 +188,8 @@ def main() -> int:
         "--tiles",
         default="",
         help="comma-separated tile variants of the timed head dim, each checked (bf16, short "
-        "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), joined with +",
+        "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs, "
+        "non-causal only), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -203,6 +204,9 @@ def main() -> int:
         action="store_true",
         help="check hdim 256 only (instead of 128 and 64) and time it (B=2 S=8192 H=8)",
     )
+    ap.add_argument("--time-size", default="",
+                    help="B,S,H of the timed problem instead of the head dim's default "
+                         "(e.g. 16,1024,16 for the 1k row of the benchmark)")
     args = ap.parse_args()
     if args.hdim256 and (args.hdim64 or args.wg2 or args.wide):
         # tile_n 176 or 3 consumer warpgroups do not fit hdim 256 in SMEM / registers.
@@ -243,6 +247,8 @@ def main() -> int:
                 t = dataclasses.replace(t, tile_n=int(knob[1:]))
             elif knob.startswith("st"):
                 t = dataclasses.replace(t, num_stages=int(knob[2:]))
+            elif knob == "pers":  # persistent CTAs (non-causal only)
+                t = dataclasses.replace(t, persistent=True)
             else:
                 raise ValueError(f"unknown tile knob {knob!r}")
         return t
@@ -259,6 +265,8 @@ def main() -> int:
                 continue
             if vname in dict(extra) and (dn, d) != ("bf16", d_var):
                 continue
+            if tiles is not None and tiles.persistent and causal:
+                continue  # persistent CTAs serve the non-causal forward only
             full = not args.quick and dn == "bf16" and d == d_main and vname == "overlap"
             full = full and not extra
             shapes = SHAPES_FULL if full else SHAPES_SHORT
@@ -290,6 +298,9 @@ def main() -> int:
             size = dict(b=2, s=8192, h=32, d=64)
         else:
             size = dict(b=4, s=4096, h=16, d=128)
+        if args.time_size:
+            b_, s_, h_ = (int(x) for x in args.time_size.split(","))
+            size.update(b=b_, s=s_, h=h_)
         d_t = size["d"]
         base = fwd_tiles(d_t, d_t, False)
         timed = [("default", None, True)]
@@ -302,6 +313,8 @@ def main() -> int:
         timed += [(spec, t, False) for spec, t in extra]
         for vname, tiles, with_cudnn in timed:
             for causal in (False, True):
+                if tiles is not None and tiles.persistent and causal:
+                    continue
                 key, sub = jax.random.split(key)
                 try:
                     res = time_one(causal, sub, tiles, with_cudnn, **size)

@@ -151,3 +151,37 @@ def test_flax_nnx_train_step_on_kernel():
     losses = [float(step(model, opt)) for _ in range(20)]
     assert all(jnp.isfinite(jnp.array(losses)))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("shape,d", [((1, 1, 1, 1, 1), 128), ((2, 113, 203, 4, 4), 128),
+                                     ((2, 2000, 2000, 8, 2), 128), ((2, 2000, 1999, 8, 2), 64)],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else f"d{x}")
+def test_forward_persistent_knob(shape, d):
+    """The persistent-CTA forward (Sm90FwdTiles.persistent, not in the table yet):
+    from one tile to more tiles than SMs (256 at 2000 x 2000), so every CTA walks
+    several tiles and reuses its pipelines, ping-pong turns and O buffer."""
+    import dataclasses
+
+    from cutlass.jax import TensorSpec, cutlass_call
+
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles
+
+    b, sq, sk, hq, hkv = shape
+    dtype = jnp.bfloat16
+    tiles = dataclasses.replace(fwd_tiles(d, d, False), persistent=True)
+    kernel = FlashFwdSm90(dtype, d, d, False, tiles=tiles)
+    spec = TensorSpec(divisibility=(1, 1, 1, d))
+    lse_spec = TensorSpec(divisibility=(1, 1, 1))
+    call = jax.jit(cutlass_call(
+        kernel,
+        output_shape_dtype=(jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
+                            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
+        input_spec=[spec, spec, spec, spec, lse_spec], output_spec=[spec, lse_spec],
+        input_output_aliases={3: 0, 4: 1}))
+    q, k, v = rand_qkv(sq + d, b, sq, sk, hq, hkv, d, dtype=dtype)
+    out, lse = call(q, k, v, jnp.full((b, sq, hq, d), jnp.nan, dtype),
+                    jnp.full((b, hq, sq), jnp.nan, jnp.float32))
+    hi = _ref(q, k, v, False, jnp.float32)
+    lo = _ref(q, k, v, False, dtype)
+    assert_close_2x(out, hi[0], lo[0], atol=1e-3, name="out")
+    assert_close_2x(lse, hi[1], lo[1], atol=1e-3, name="lse")

@@ -97,3 +97,47 @@ def test_fwd_tiles_head_dims():
     for d, dv in [(192, 192), (256, 128), (160, 160)]:
         with pytest.raises(ValueError):
             fwd_tiles(d, dv, False)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fwd_persistent_knob_compiles(tmp_path, d):
+    """Persistent CTAs (Sm90FwdTiles.persistent, a knob until measured): O has its own
+    SMEM buffer, and the thread that stores O waits for the previous tile's store
+    to have read it before the consumers write it again, not right after the store."""
+    import dataclasses
+
+    tiles = dataclasses.replace(fwd_tiles(d, d, False), persistent=True)
+    ins, outs = fwd_structs(2, 113, 203, 8, 2, d, jnp.bfloat16)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    text = lower(lambda: FlashFwdSm90(jnp.bfloat16, d, d, False, tiles=tiles), "sm_90a", ins,
+                 outs, compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+    assert "custom_call" in text
+    sass_files = glob.glob(str(dump / "*.sass"))
+    if not sass_files:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    lines = open(sass_files[0]).read().splitlines()
+    sass = "\n".join(lines)
+    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+    store = max(i for i, ln in enumerate(lines) if "UTMASTG" in ln)
+    epi_bar = [i for i, ln in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x1," in ln]
+    waits = [i for i, ln in enumerate(lines) if "DEPBAR.LE SB0, 0x0" in ln]
+    assert epi_bar and waits
+    # A read-wait before the first epilogue barrier, none between a store and the
+    # next instruction block of the loop (only the one before EXIT after the loop).
+    assert any(w < epi_bar[0] for w in waits), "no wait for the previous O store"
+    exits = [i for i, ln in enumerate(lines) if "EXIT" in ln and i > store]
+    assert all(w > exits[0] for w in waits if w > store), "O store waited at once"
+
+
+def test_fwd_persistent_knob_refuses_causal_and_hdim256():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="non-causal"):
+        FlashFwdSm90(jnp.bfloat16, 128, 128, True,
+                     tiles=dataclasses.replace(fwd_tiles(128, 128, True), persistent=True))
+    tiles = dataclasses.replace(fwd_tiles(256, 256, False), persistent=True)
+    ins, outs = fwd_structs(2, 113, 203, 8, 2, 256, jnp.bfloat16)
+    with pytest.raises(Exception, match="bytes of SMEM"):
+        lower(lambda: FlashFwdSm90(jnp.bfloat16, 256, 256, False, tiles=tiles), "sm_90a", ins,
+              outs)

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 _THREADS_PER_WG = 128
 
+# The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
+_SM90_MAX_SMEM_BYTES = 227 * 1024
+
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
 _BAR_SCHED_WG1 = 2  # consumer warpgroup w waits on _BAR_SCHED_WG1 + w
@@ -72,6 +75,12 @@ class Sm90FwdTiles:
     producer_regs: int
     intra_wg_overlap: bool
     pingpong: bool
+    # Persistent CTAs (non-causal only, where every tile costs the same): one CTA
+    # per SM walks tiles bid, bid + grid, ...; the load warp fetches the next
+    # tile's Q and K while the consumers finish the current one, and O gets its
+    # own SMEM buffer so its TMA store overlaps the next tile. Not in the table
+    # until measured (docs/performance.md).
+    persistent: bool = False
 
 
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
@@ -149,6 +158,26 @@ def _wgmma(
         warpgroup.wait_group(wg_wait)
 
 
+def _num_sms(default: int = 132) -> int:
+    """Streaming multiprocessors of GPU 0, read when a persistent kernel is built
+    (on the GPU host); 132 (H100 SXM / H200) when no GPU can be queried, as when
+    cross-compiling. A kernel built for more SMs than it runs on stays correct."""
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return default
+        err, dev = driver.cuDeviceGet(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return default
+        err, n = driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+        return int(n) if err == driver.CUresult.CUDA_SUCCESS and n > 0 else default
+    except Exception:  # noqa: BLE001 - no driver, no GPU: the default
+        return default
+
+
 class FlashFwdSm90:
     """Forward attention for sm_90a, one compiled binary per configuration.
 
@@ -187,6 +216,11 @@ class FlashFwdSm90:
         self.num_threads = _THREADS_PER_WG * (1 + t.num_consumer_wg)
         self.num_mma_threads = _THREADS_PER_WG * t.num_consumer_wg
         self.pingpong = t.pingpong and t.num_consumer_wg >= 2
+        self.persistent = t.persistent
+        if self.persistent and causal:
+            raise ValueError("persistent tiles serve the non-causal forward only (causal "
+                             "tiles differ in cost; the hardware scheduler balances them)")
+        self.num_sms = _num_sms() if self.persistent else 0
         logger.debug(
             "FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s",
             self.dtype,
@@ -259,8 +293,10 @@ class FlashFwdSm90:
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
-        # O reuses the Q buffer: Q is dead once the last S = Q K^T finished.
+        # O reuses the Q buffer (Q is dead once the last S = Q K^T finished), except
+        # in persistent CTAs, where the next tile's Q loads while O is stored.
         q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+        o_elems = cute.cosize(sO_layout) if cutlass.const_expr(self.persistent) else 0
 
         @cute.struct
         class SharedStorage:
@@ -270,9 +306,17 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
 
+        smem_bytes = SharedStorage.size_in_bytes()
+        if cutlass.const_expr(smem_bytes > _SM90_MAX_SMEM_BYTES):
+            raise ValueError(f"sm90 forward with {self.tiles} needs {smem_bytes} bytes of "
+                             f"SMEM, more than the {_SM90_MAX_SMEM_BYTES} a CTA may use")
         seqlen_q = mQ.shape[0]
         grid = (cute.ceil_div(seqlen_q, tm), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if cutlass.const_expr(self.persistent):
+            total = grid[0] * grid[1] * grid[2]
+            grid = (cutlass.min(total, self.num_sms), 1, 1)
         self.kernel(
             tma_Q,
             tma_K,
@@ -345,69 +389,96 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if cutlass.const_expr(self.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        # Block coordinates. Causal tiles lower in the matrix have more KV
-        # blocks: launch them first so the longest CTAs do not start last.
-        bidx, head, batch = cute.arch.block_idx()
-        m_block = bidx
-        if cutlass.const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-        if cutlass.const_expr(self.causal):
-            n_block_max = cutlass.min(
-                n_block_max, cute.ceil_div((m_block + 1) * self.tile_m, self.tile_n)
-            )
-
+        group = mQ.shape[2] // mK.shape[2]
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        # Pipeline states live across the tiles of a persistent CTA.
+        kv_prod = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.num_stages)
+        q_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_cons = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.producer_regs)
             if warp_idx == 0:
-                self.load(
-                    mQ,
-                    mK,
-                    mV,
-                    sQ,
-                    sK,
-                    sV,
-                    tma_atom_Q,
-                    tma_atom_K,
-                    tma_atom_V,
-                    pipe_q,
-                    pipe_k,
-                    pipe_v,
-                    m_block,
-                    head,
-                    head_kv,
-                    batch,
-                    n_block_max,
-                )
+                if cutlass.const_expr(self.persistent):
+                    num_m = cute.ceil_div(seqlen_q, self.tile_m)
+                    total = num_m * mQ.shape[2] * mQ.shape[3]
+                    for t in cutlass.range(cute.arch.block_idx()[0], total,
+                                           cute.arch.grid_dim()[0], unroll=1):
+                        m_block, head, batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        q_prod, kv_prod = self.load(
+                            mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                            pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head,
+                            head // group, batch, cute.ceil_div(seqlen_k, self.tile_n))
+                else:
+                    m_block, head, batch = self.block_coord()
+                    self.load(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head,
+                        head // group, batch, self.n_block_max(m_block, seqlen_k))
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
-            self.consume(
-                mO,
-                mLSE,
-                sQ,
-                sK,
-                sV,
-                sO,
-                tma_atom_O,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                pipe_q,
-                pipe_k,
-                pipe_v,
-                m_block,
-                head,
-                batch,
-                seqlen_q,
-                seqlen_k,
-                n_block_max,
-            )
+            # Warpgroup 1 takes the first GEMM turn (ping-pong); the turns then
+            # alternate through every tile of a persistent CTA. (A compile-time and
+            # a run-time test cannot share one `if` in the DSL.)
+            if cutlass.const_expr(self.pingpong):  # noqa: SIM102
+                if warp_idx // 4 == 1:
+                    cute.arch.barrier_arrive(
+                        barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+                    )
+            if cutlass.const_expr(self.persistent):
+                num_m = cute.ceil_div(seqlen_q, self.tile_m)
+                total = num_m * mQ.shape[2] * mQ.shape[3]
+                for t in cutlass.range(cute.arch.block_idx()[0], total,
+                                       cute.arch.grid_dim()[0], unroll=1):
+                    m_block, head, batch = self.tile_coord(t, num_m, mQ.shape[2])
+                    q_cons, kv_cons = self.consume(
+                        mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                        pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
+                        seqlen_q, seqlen_k, cute.ceil_div(seqlen_k, self.tile_n))
+                # The last O store must have read SMEM before the CTA exits.
+                if cute.arch.thread_idx()[0] == _THREADS_PER_WG:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                m_block, head, batch = self.block_coord()
+                self.consume(
+                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                    pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
+                    seqlen_q, seqlen_k, self.n_block_max(m_block, seqlen_k))
+
+    def block_coord(self):
+        """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
+        matrix have more KV blocks: launch them first so the longest CTAs do not
+        start last."""
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        return m_block, head, batch
+
+    @staticmethod
+    def tile_coord(t, num_m, num_heads):
+        """(m_block, head, batch) of tile t of a persistent CTA: query blocks
+        fastest, so the CTAs running together share the K/V of few heads in L2."""
+        hb = t // num_m
+        return t - hb * num_m, hb % num_heads, hb // num_heads
+
+    def n_block_max(self, m_block, seqlen_k):
+        """KV blocks this query block sees (causal: up to its last row)."""
+        n = cute.ceil_div(seqlen_k, self.tile_n)
+        if cutlass.const_expr(self.causal):
+            n = cutlass.min(n, cute.ceil_div((m_block + 1) * self.tile_m, self.tile_n))
+        return n
 
     @cute.jit
     def load(
@@ -424,6 +495,8 @@ class FlashFwdSm90:
         pipe_q: pipeline.PipelineTmaAsync,
         pipe_k: pipeline.PipelineTmaAsync,
         pipe_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        state: pipeline.PipelineState,
         m_block: Int32,
         head: Int32,
         head_kv: Int32,
@@ -431,6 +504,7 @@ class FlashFwdSm90:
         n_block_max: Int32,
     ):
         """Producer warp: Q once, then K/V blocks from the last one down to 0.
+        Returns the advanced (Q, K/V) pipeline states.
 
         K of block n is loaded before V of block n + 1, the order the consumers
         use them in with intra-warpgroup overlap (S_n = Q K_n is issued before
@@ -456,8 +530,6 @@ class FlashFwdSm90:
             tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         n_last = n_block_max - 1
 
         pipe_k.producer_acquire(state)
@@ -494,6 +566,9 @@ class FlashFwdSm90:
             tVsV[None, state.index],
             tma_bar_ptr=pipe_v.producer_get_barrier(state),
         )
+        state.advance()
+        q_state.advance()
+        return q_state, state
 
     # -------------------------------------------------------------- consumer
     def _sched_sync(self):
@@ -529,6 +604,8 @@ class FlashFwdSm90:
         pipe_q: pipeline.PipelineTmaAsync,
         pipe_k: pipeline.PipelineTmaAsync,
         pipe_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        state: pipeline.PipelineState,
         m_block: Int32,
         head: Int32,
         batch: Int32,
@@ -536,6 +613,8 @@ class FlashFwdSm90:
         seqlen_k: Int32,
         n_block_max: Int32,
     ):
+        """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
+        pipeline states."""
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
         wg_layout = cute.make_layout(self.tiles.num_consumer_wg, stride=_THREADS_PER_WG)
@@ -558,16 +637,6 @@ class FlashFwdSm90:
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0))
 
-        # Warpgroup 1 takes the first GEMM turn. (A compile-time and a run-time
-        # test cannot share one `if` in the DSL.)
-        if cutlass.const_expr(self.pingpong):  # noqa: SIM102
-            if wg_idx == 0:
-                cute.arch.barrier_arrive(
-                    barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
-                )
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
 
         # Blocks [n_causal, n_block_max) touch the diagonal; the first block
@@ -643,6 +712,10 @@ class FlashFwdSm90:
                     pipe_v,
                     mask_causal=False,
                 )
+            if cutlass.const_expr(self.persistent):
+                # Every S = Q K^T of this tile is done: the next tile's Q may load.
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
             # Last P V.
             pipe_v.consumer_wait(state)
             self._sched_sync()
@@ -701,11 +774,16 @@ class FlashFwdSm90:
                     mask_causal=False,
                 )
 
+            if cutlass.const_expr(self.persistent):
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
         self.epilogue(
             acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q
         )
+        return q_state, state
 
     @cute.jit
     def _overlapped_step(
@@ -802,7 +880,12 @@ class FlashFwdSm90:
     ):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # sO aliases sQ: every consumer warpgroup must be done with its S = Q K^T.
+        if cutlass.const_expr(self.persistent):  # noqa: SIM102
+            # sO is free once the previous tile's O store has read it.
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # sO aliases sQ (not persistent): every consumer warpgroup must be done with
+        # its S = Q K^T. Persistent: the wait above is done.
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
@@ -836,4 +919,5 @@ class FlashFwdSm90:
             )
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(not self.persistent):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
