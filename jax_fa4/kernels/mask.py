@@ -34,6 +34,15 @@ class TileMask:
         # (rows, cols) coordinates of this thread's and of thread 0's elements.
         self.t_coord = acc_mn_view(thr_mma.partition_C(c_tile))
         self.t0_coord = acc_mn_view(thr_mma_t0.partition_C(c_tile))
+        self._t0_cols = None
+
+    def t0_cols(self, n_cols: int) -> list:
+        """Thread 0's column of each accumulator column, compile-time ints, evaluated
+        through the layout once per kernel instead of once per element and call
+        (tracing time: docs/performance.md, compile time)."""
+        if self._t0_cols is None:
+            self._t0_cols = [self.t0_coord[0, c][1] for c in range(n_cols)]
+        return self._t0_cols
 
     @cute.jit
     def apply(
@@ -53,7 +62,11 @@ class TileMask:
         n_rows = cute.size(s_mn, mode=[0])
         n_cols = cute.size(s_mn, mode=[1])
         col_offset = self.t_coord[0][1]
+        cols0 = self.t0_cols(n_cols)
+        neg_inf = -Float32.inf
         # Limits on thread 0's column index, shifted by this thread's offset.
+        # Element-wise arith.select (cutlass.select_), not `a if c else b`, which
+        # the DSL traces as an scf.if region per element for the compiler to fold.
         seqlen_limit = self.seqlen_k - n_block * self.tile_n - col_offset
         if cutlass.const_expr(mask_causal):
             for r in cutlass.range_constexpr(n_rows):
@@ -64,10 +77,9 @@ class TileMask:
                     limit = cutlass.min(limit, seqlen_limit)
                 for c in cutlass.range_constexpr(n_cols):
                     # A select, not a branch: keeps the fragment in registers.
-                    masked = self.t0_coord[0, c][1] >= limit
-                    s_mn[r, c] = -Float32.inf if masked else s_mn[r, c]
+                    s_mn[r, c] = Float32(cutlass.select_(cols0[c] >= limit, neg_inf, s_mn[r, c]))
         elif cutlass.const_expr(mask_seqlen):
             for c in cutlass.range_constexpr(n_cols):
-                masked = self.t0_coord[0, c][1] >= seqlen_limit
+                masked = cols0[c] >= seqlen_limit
                 for r in cutlass.range_constexpr(n_rows):
-                    s_mn[r, c] = -Float32.inf if masked else s_mn[r, c]
+                    s_mn[r, c] = Float32(cutlass.select_(masked, neg_inf, s_mn[r, c]))
