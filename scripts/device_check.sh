@@ -2,7 +2,9 @@
 # One call on the GPU machine (see ../shared/device/README.md): GPU tests, the
 # example, the benchmark and the compile-time measurement, with logs under $OUT
 # and a short summary last.
-#   bash scripts/device_check.sh [tests|bench|quick|compile|all] [extra pytest args...]
+#   bash scripts/device_check.sh [tests|bench|quick|compile|knobs|all] [extra pytest args...]
+# knobs: the GPU test of the persistent-forward knob, then gpu_check_fwd A/B of it at
+# the benchmark's 1k and 4k hdim 128 rows (about 2 minutes).
 # compile: benchmarks/compile_time.py (fresh processes, cold and cached; about 3-4
 # minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
 # Run after `bash .device/install.sh && . /opt/jax_fa4_site/env.sh`.
@@ -17,6 +19,15 @@ if [[ $what == tests || $what == all ]]; then
   timeout "${TEST_TIMEOUT:-900}" python -m pytest -m gpu -q -ra -p no:cacheprovider "$@" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25
   summary+="gpu tests: $(tail -1 "$out/gpu_tests.log")"$'\n'
+fi
+if [[ $what == knobs ]]; then
+  python -m pytest -m gpu -q -p no:cacheprovider -k persistent tests/test_gpu.py 2>&1 \
+    | tee "$out/knob_tests.log" | tail -3
+  python scripts/gpu_check_fwd.py --tiles pers --time-size 16,1024,16 2>&1 \
+    | tee "$out/knob_fwd_1k.log" | tail -8
+  python scripts/gpu_check_fwd.py --tiles pers --no-check 2>&1 \
+    | tee "$out/knob_fwd_4k.log" | tail -8
+  summary+="knob tests: $(tail -1 "$out/knob_tests.log")"$'\n'
 fi
 if [[ $what == all ]]; then
   python examples/train_tiny_transformer.py --steps 20 2>&1 | tee "$out/example.log" | tail -4
