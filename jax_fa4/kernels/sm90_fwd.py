@@ -394,9 +394,13 @@ class FlashFwdSm90:
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
+        # Non-persistent: this CTA's one tile, computed where the kernel always did.
+        m_block, head, batch = self.block_coord()
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
+        head_kv = head // group
+        n_block_max = self.n_block_max(m_block, seqlen_k)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         # Pipeline states live across the tiles of a persistent CTA.
@@ -415,46 +419,45 @@ class FlashFwdSm90:
                     total = num_m * mQ.shape[2] * mQ.shape[3]
                     for t in cutlass.range(cute.arch.block_idx()[0], total,
                                            cute.arch.grid_dim()[0], unroll=1):
-                        m_block, head, batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
                         q_prod, kv_prod = self.load(
                             mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                            pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head,
-                            head // group, batch, cute.ceil_div(seqlen_k, self.tile_n))
+                            pipe_q, pipe_k, pipe_v, q_prod, kv_prod, t_m, t_head,
+                            t_head // group, t_batch, cute.ceil_div(seqlen_k, self.tile_n))
                 else:
-                    m_block, head, batch = self.block_coord()
                     self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head,
-                        head // group, batch, self.n_block_max(m_block, seqlen_k))
+                        pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head, head_kv,
+                        batch, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
-            # Warpgroup 1 takes the first GEMM turn (ping-pong); the turns then
-            # alternate through every tile of a persistent CTA. (A compile-time and
-            # a run-time test cannot share one `if` in the DSL.)
-            if cutlass.const_expr(self.pingpong):  # noqa: SIM102
-                if warp_idx // 4 == 1:
-                    cute.arch.barrier_arrive(
-                        barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
-                    )
             if cutlass.const_expr(self.persistent):
+                # Warpgroup 1 takes the first GEMM turn (ping-pong); the turns then
+                # alternate through every tile. (A compile-time and a run-time test
+                # cannot share one `if` in the DSL.)
+                if cutlass.const_expr(self.pingpong):  # noqa: SIM102
+                    if warp_idx // 4 == 1:
+                        cute.arch.barrier_arrive(
+                            barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+                        )
                 num_m = cute.ceil_div(seqlen_q, self.tile_m)
                 total = num_m * mQ.shape[2] * mQ.shape[3]
                 for t in cutlass.range(cute.arch.block_idx()[0], total,
                                        cute.arch.grid_dim()[0], unroll=1):
-                    m_block, head, batch = self.tile_coord(t, num_m, mQ.shape[2])
+                    t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
                     q_cons, kv_cons = self.consume(
                         mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                        pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
-                        seqlen_q, seqlen_k, cute.ceil_div(seqlen_k, self.tile_n))
+                        pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
+                        seqlen_q, seqlen_k, cute.ceil_div(seqlen_k, self.tile_n),
+                        first_turn=False)
                 # The last O store must have read SMEM before the CTA exits.
                 if cute.arch.thread_idx()[0] == _THREADS_PER_WG:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
-                m_block, head, batch = self.block_coord()
                 self.consume(
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
-                    seqlen_q, seqlen_k, self.n_block_max(m_block, seqlen_k))
+                    seqlen_q, seqlen_k, n_block_max, first_turn=True)
 
     def block_coord(self):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
@@ -612,9 +615,11 @@ class FlashFwdSm90:
         seqlen_q: Int32,
         seqlen_k: Int32,
         n_block_max: Int32,
+        first_turn: cutlass.Constexpr[bool],
     ):
         """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
-        pipeline states."""
+        pipeline states. first_turn: give warpgroup 1 the first GEMM turn here (a
+        persistent CTA does that once, before its first tile)."""
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
         wg_layout = cute.make_layout(self.tiles.num_consumer_wg, stride=_THREADS_PER_WG)
@@ -636,6 +641,14 @@ class FlashFwdSm90:
         softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]))
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0))
+
+        # Warpgroup 1 takes the first GEMM turn. (A compile-time and a run-time
+        # test cannot share one `if` in the DSL.)
+        if cutlass.const_expr(self.pingpong and first_turn):  # noqa: SIM102
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+                )
 
         pipe_q.consumer_wait(q_state)
 
