@@ -176,7 +176,7 @@ class FlashBwdPostprocess:
         sdQ_layout: cute.ComposedLayout,
         Storage: cutlass.Constexpr,
     ):
-        from cutlass.cute.nvgpu import cpasync
+        from jax_fa4.kernels.cute_utils import stmatrix_acc, tma_store_tile
 
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -199,19 +199,13 @@ class FlashBwdPostprocess:
 
         rdQ = cute.make_fragment_like(acc, self.dtype)
         rdQ.store((acc.load() * self.softmax_scale).to(self.dtype))
-        stsm = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_s = cute.make_tiled_copy_C(stsm, mma).get_slice(tidx)
-        cute.copy(stsm, thr_s.retile(rdQ), thr_s.partition_D(sdQ))
+        stmatrix_acc(rdQ, mma, sdQ, tidx, self.dtype)
         # The st.matrix writes must be visible to the TMA engine before it reads.
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         if tidx == 0:
-            g = cute.local_tile(mdQ[None, None, head, batch], (tm, d), (m_block, 0))
-            ts, tgd = cpasync.tma_partition(tma, 0, cute.make_layout(1),
-                                            cute.group_modes(sdQ, 0, 2),
-                                            cute.group_modes(g, 0, 2))
-            cute.copy(tma, ts, tgd)
+            tma_store_tile(tma, sdQ, cute.local_tile(mdQ[None, None, head, batch], (tm, d),
+                                                     (m_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 

@@ -146,3 +146,25 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+def stmatrix_acc(acc16: cute.Tensor, tiled_mma: cute.TiledMma, smem: cute.Tensor, tidx,
+                 dtype) -> None:
+    """Write this thread's 16-bit copy of a wgmma accumulator into the SMEM tile the
+    tiled MMA covers, with st.matrix (four 8x8 matrices per instruction). The caller
+    fences (``fence_view_async_shared``) before a TMA engine reads the tile."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
+    cute.copy(atom, thr.retile(acc16), thr.partition_D(smem))
+
+
+def tma_store_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) -> None:
+    """Issue one TMA store of a (rows, cols) SMEM tile to the global tile of the same
+    shape (a ``local_tile`` of the atom's TMA view; rows past its end are clipped).
+    Call from one thread; commit and wait with the bulk async-group calls."""
+    from cutlass.cute.nvgpu import cpasync
+
+    ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                   cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
+    cute.copy(atom, ts, tg)

@@ -64,6 +64,8 @@ from jax_fa4.kernels.cute_utils import (
     convert_to_operand_a,
     init_bwd_kernel,
     sm90_smem_layout,
+    stmatrix_acc,
+    tma_store_tile,
     transpose_smem,
     wgmma_gemm,
 )
@@ -660,8 +662,6 @@ class FlashBwdSm90(Sm90BwdCommon):
         32-byte sector and, by Nsight Compute's samples, about a tenth of the MMA
         warps' time in the causal hdim 128 backward at 4k (docs/performance.md)."""
         tn = self.tile_n
-        stsm = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         rdK = cute.make_fragment_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * self.softmax_scale).to(self.dtype))
         rdV = cute.make_fragment_like(acc_dV, self.dtype)
@@ -670,19 +670,15 @@ class FlashBwdSm90(Sm90BwdCommon):
         # done: each waited for its last wgmma group at the end of the walk.
         mma_bar.arrive_and_wait()
         for acc_bf, mma, s in ((rdK, mma_dk, sK), (rdV, mma_dv, sV)):
-            thr = cute.make_tiled_copy_C(stsm, mma).get_slice(tidx)
-            cute.copy(stsm, thr.retile(acc_bf), thr.partition_D(s))
+            stmatrix_acc(acc_bf, mma, s, tidx, self.dtype)
         # The st.matrix writes must be visible to the TMA engine before it reads.
         cute.arch.fence_view_async_shared()
         mma_bar.arrive_and_wait()
         if tidx == 0:
             for atom, s, m, width in ((tma_dK, sK, mdK, self.head_dim),
                                       (tma_dV, sV, mdV, self.head_dim_v)):
-                g = cute.local_tile(m[None, None, head_kv, batch], (tn, width), (n_block, 0))
-                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                               cute.group_modes(s, 0, 2),
-                                               cute.group_modes(g, 0, 2))
-                cute.copy(atom, ts, tg)
+                tma_store_tile(atom, s, cute.local_tile(m[None, None, head_kv, batch],
+                                                        (tn, width), (n_block, 0)))
             cute.arch.cp_async_bulk_commit_group()
             # SMEM must stay valid until the TMA engine has read it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

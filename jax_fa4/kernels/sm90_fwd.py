@@ -39,6 +39,8 @@ from jax_fa4.kernels.cute_utils import (
     convert_to_operand_a,
     permute,
     sm90_smem_layout,
+    stmatrix_acc,
+    tma_store_tile,
     transpose_smem,
     wgmma_gemm,
 )
@@ -415,8 +417,7 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.tiles.producer_regs)
             if warp_idx == 0:
                 if cutlass.const_expr(self.persistent):
-                    num_m = cute.ceil_div(seqlen_q, self.tile_m)
-                    total = num_m * mQ.shape[2] * mQ.shape[3]
+                    num_m, total = self.tile_count(mQ)
                     for t in cutlass.range(cute.arch.block_idx()[0], total,
                                            cute.arch.grid_dim()[0], unroll=1):
                         t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
@@ -440,8 +441,7 @@ class FlashFwdSm90:
                         cute.arch.barrier_arrive(
                             barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
                         )
-                num_m = cute.ceil_div(seqlen_q, self.tile_m)
-                total = num_m * mQ.shape[2] * mQ.shape[3]
+                num_m, total = self.tile_count(mQ)
                 for t in cutlass.range(cute.arch.block_idx()[0], total,
                                        cute.arch.grid_dim()[0], unroll=1):
                     t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
@@ -468,6 +468,11 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.causal):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
         return m_block, head, batch
+
+    def tile_count(self, mQ):
+        """(query blocks per head, tiles of the whole problem); mQ is (Sq, D, Hq, B)."""
+        num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
+        return num_m, num_m * mQ.shape[2] * mQ.shape[3]
 
     @staticmethod
     def tile_coord(t, num_m, num_heads):
@@ -900,11 +905,7 @@ class FlashFwdSm90:
         # sO aliases sQ (not persistent): every consumer warpgroup must be done with
         # its S = Q K^T. Persistent: the wait above is done.
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        store_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-        )
-        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        stmatrix_acc(rO, tiled_mma_pv, sO, tidx, self.dtype)
 
         # LSE: one of the 4 threads of each row writes it, rows < seqlen_q only.
         thr_mma = tiled_mma_pv.get_slice(tidx)
@@ -923,14 +924,7 @@ class FlashFwdSm90:
             gO = cute.local_tile(
                 mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (m_block, 0)
             )
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO, 0, 2),
-            )
-            cute.copy(tma_atom_O, tOsO, tOgO)
+            tma_store_tile(tma_atom_O, sO, gO)
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(not self.persistent):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
