@@ -159,12 +159,32 @@ def stmatrix_acc(acc16: cute.Tensor, tiled_mma: cute.TiledMma, smem: cute.Tensor
     cute.copy(atom, thr.retile(acc16), thr.partition_D(smem))
 
 
+def tma_tile_partition(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor,
+                       rank: int = 2):
+    """(SMEM, global) views of a TMA copy of whole tiles: the first ``rank`` modes of
+    both tensors are the tile, the rest index tiles / stages. One CTA, no multicast."""
+    from cutlass.cute.nvgpu import cpasync
+
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                 cute.group_modes(smem, 0, rank),
+                                 cute.group_modes(gmem, 0, rank))
+
+
 def tma_store_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) -> None:
     """Issue one TMA store of a (rows, cols) SMEM tile to the global tile of the same
     shape (a ``local_tile`` of the atom's TMA view; rows past its end are clipped).
     Call from one thread; commit and wait with the bulk async-group calls."""
-    from cutlass.cute.nvgpu import cpasync
-
-    ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                   cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2))
+    ts, tg = tma_tile_partition(atom, smem, gmem)
     cute.copy(atom, ts, tg)
+
+
+def check_bwd_operand_dtypes(kernel, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK,
+                             mdV) -> None:
+    """Refuse, at compile time, backward operands whose dtypes the kernel was not
+    built for: Q, K, V, dO, dK, dV in kernel.dtype; LSElog2, Dpsum, dQaccum in f32."""
+    if not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
+            == mdK.element_type == mdV.element_type == kernel.dtype):
+        raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
+    if not (mLSElog2.element_type == mDpsum.element_type == mdQaccum.element_type
+            == cutlass.Float32):
+        raise TypeError("LSElog2, Dpsum and dQaccum must be float32")

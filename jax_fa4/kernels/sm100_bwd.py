@@ -67,7 +67,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 
-from jax_fa4.kernels.cute_utils import init_bwd_kernel, permute
+from jax_fa4.kernels.cute_utils import (
+    check_bwd_operand_dtypes,
+    init_bwd_kernel,
+    permute,
+    tma_tile_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,13 +244,7 @@ class FlashBwdSm100:
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
     ):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
-        if const_expr(not (mLSElog2.element_type == mDpsum.element_type
-                           == mdQaccum.element_type == Float32)):
-            raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
+        check_bwd_operand_dtypes(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
         dt = self.dtype
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
@@ -514,12 +513,8 @@ class FlashBwdSm100:
         thr_dp = mma_dp.get_slice(0)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
-            cute.group_modes(thr_s.partition_A(gK), 0, 3))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
-            cute.group_modes(thr_dp.partition_A(gV), 0, 3))
+        tKsK, tKgK = tma_tile_partition(tma_K, sK, thr_s.partition_A(gK), rank=3)
+        tVsV, tVgV = tma_tile_partition(tma_V, sV, thr_dp.partition_A(gV), rank=3)
         if num_iters > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
@@ -536,12 +531,8 @@ class FlashBwdSm100:
             head_q = head_kv * group_size + h_off
             gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
-                cute.group_modes(thr_s.partition_B(gQ), 0, 3))
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 3),
-                cute.group_modes(thr_dp.partition_B(gdO), 0, 3))
+            tQsQ, tQgQ = tma_tile_partition(tma_Q, sQ, thr_s.partition_B(gQ), rank=3)
+            tdOsdO, tdOgdO = tma_tile_partition(tma_dO, sdO, thr_dp.partition_B(gdO), rank=3)
             pipe_qdo.producer_acquire(qdo_state)
             bar = pipe_qdo.producer_get_barrier(qdo_state)
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, qdo_state.index], tma_bar_ptr=bar)
@@ -883,9 +874,7 @@ class FlashBwdSm100:
             head_q = head_kv * group_size + h_off
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, ncol),
                                   (m_block, None))  # (tm, ncol, nchunk)
-            tsdQ, tgdQ = cpasync.tma_partition(
-                tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                cute.group_modes(gdQ, 0, 2))
+            tsdQ, tgdQ = tma_tile_partition(tma_dQ, sdQ, gdQ)
             pipe_dq.consumer_wait(dq_state)
             for c in cutlass.range_constexpr(nchunk):
                 stage = c % nstage

@@ -70,7 +70,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_fa4.kernels.cute_utils import as_cutlass_dtype, permute
+from jax_fa4.kernels.cute_utils import as_cutlass_dtype, permute, tma_tile_partition
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.softmax import LN_2, LOG2_E, RESCALE_THRESHOLD
 
@@ -514,23 +514,13 @@ class FlashFwdSm100:
         """
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
-        one = cute.make_layout(1)
         # (tile_m, D, m tiles, 1) -> MMA partition -> TMA partition.
         gQ = cute.flat_divide(mQ[None, None, head, batch], (self.tile_m, self.head_dim))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
-            cute.group_modes(thr_qk.partition_A(gQ), 0, 3),
-        )  # fmt: skip
+        tQsQ, tQgQ = tma_tile_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ), rank=3)
         gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
-            cute.group_modes(thr_qk.partition_B(gK), 0, 3),
-        )  # fmt: skip
+        tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, thr_qk.partition_B(gK), rank=3)
         gV = cute.flat_divide(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
-            cute.group_modes(thr_pv.partition_B(gV), 0, 3),
-        )  # fmt: skip
+        tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, thr_pv.partition_B(gV), rank=3)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         kv_state = pipeline.make_pipeline_state(
@@ -1069,10 +1059,7 @@ class FlashFwdSm100:
         gO = cute.local_tile(
             mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0)
         )  # (tile_m, Dv, m tiles)
-        tOsO, tOgO = cpasync.tma_partition(
-            tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-            cute.group_modes(gO, 0, 2),
-        )  # fmt: skip
+        tOsO, tOgO = tma_tile_partition(tma_atom_O, sO, gO)
         for tile in cutlass.range_constexpr(2):
             cute.arch.mbarrier_wait(mbar + _O_SMEM + tile, 0)
             cute.copy(tma_atom_O, tOsO[None, tile], tOgO[None, 2 * m_block + tile])

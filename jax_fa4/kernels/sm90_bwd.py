@@ -66,6 +66,7 @@ from jax_fa4.kernels.cute_utils import (
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
+    tma_tile_partition,
     transpose_smem,
     wgmma_gemm,
 )
@@ -408,9 +409,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                 head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
                 gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], self._dq_part(),
                                       (None, None))
-                tsdQ, tgdQ = cpasync.tma_partition(
-                    tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                    cute.group_modes(gdQ, 0, 2))
+                tsdQ, tgdQ = tma_tile_partition(tma_dQ, sdQ, gdQ)
                 # Each part is free (its previous reduce has read it): let its
                 # warpgroup write the next one. Warpgroups are served in order but
                 # never wait for each other.

@@ -15,7 +15,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
-from jax_fa4.kernels.cute_utils import permute, sm90_smem_layout, stat_rows_view
+from jax_fa4.kernels.cute_utils import (
+    check_bwd_operand_dtypes,
+    permute,
+    sm90_smem_layout,
+    stat_rows_view,
+    tma_tile_partition,
+)
 
 # The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
 SM90_MAX_SMEM_BYTES = 227 * 1024
@@ -46,13 +52,7 @@ class Sm90BwdCommon:
         """Check the operands' dtypes and re-view them as the TMA tiles see them:
         (S, D, H, B) for the [B, S, H, D] tensors, (Sq_pad, D, Hq, B) for dQaccum,
         (Sq_pad, Hq, B) for the row statistics."""
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
-                           == mdO.element_type == mdK.element_type == mdV.element_type
-                           == self.dtype)):
-            raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
-        if const_expr(not (mLSElog2.element_type == mDpsum.element_type
-                           == mdQaccum.element_type == Float32)):
-            raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
+        check_bwd_operand_dtypes(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mdQaccum = permute(mdQaccum, [2, 3, 1, 0])
@@ -149,12 +149,8 @@ class Sm90BwdCommon:
         d, dv = self.head_dim, self.head_dim_v
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-            cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-            cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = tma_tile_partition(tma_K, sK, gK)
+        tVsV, tVgV = tma_tile_partition(tma_V, sV, gV)
         if num_iters > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
@@ -169,18 +165,10 @@ class Sm90BwdCommon:
             gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
             gLSE = cute.local_tile(mLSElog2[None, head_q, batch], (tm,), (None,))
             gDpsum = cute.local_tile(mDpsum[None, head_q, batch], (tm,), (None,))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                cute.group_modes(gdO, 0, 2))
-            tLsL, tLgL = cpasync.tma_partition(
-                tma_LSE, 0, cute.make_layout(1), cute.group_modes(sLSE, 0, 1),
-                cute.group_modes(gLSE, 0, 1))
-            tDsD, tDgD = cpasync.tma_partition(
-                tma_Dpsum, 0, cute.make_layout(1), cute.group_modes(sDpsum, 0, 1),
-                cute.group_modes(gDpsum, 0, 1))
+            tQsQ, tQgQ = tma_tile_partition(tma_Q, sQ, gQ)
+            tdOsdO, tdOgdO = tma_tile_partition(tma_dO, sdO, gdO)
+            tLsL, tLgL = tma_tile_partition(tma_LSE, sLSE, gLSE, rank=1)
+            tDsD, tDgD = tma_tile_partition(tma_Dpsum, sDpsum, gDpsum, rank=1)
             pipe_qdo.producer_acquire(state)
             bar = pipe_qdo.producer_get_barrier(state)
             s = state.index
@@ -200,9 +188,7 @@ class Sm90BwdCommon:
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
-            tsdQ, tgdQ = cpasync.tma_partition(
-                tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                cute.group_modes(gdQ, 0, 2))
+            tsdQ, tgdQ = tma_tile_partition(tma_dQ, sdQ, gdQ)
             # The SMEM tile is free (the previous reduce has read it): let the MMA
             # warpgroups write the next partial.
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)

@@ -41,6 +41,7 @@ from jax_fa4.kernels.cute_utils import (
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
+    tma_tile_partition,
     transpose_smem,
     wgmma_gemm,
 )
@@ -527,16 +528,9 @@ class FlashFwdSm90:
         gV = cute.local_tile(
             mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
         )
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tQsQ, tQgQ = tma_tile_partition(tma_atom_Q, sQ, gQ)
+        tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, gK)
+        tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, gV)
 
         n_last = n_block_max - 1
 
