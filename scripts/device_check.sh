@@ -3,8 +3,9 @@
 # example, the benchmark and the compile-time measurement, with logs under $OUT
 # and a short summary last.
 #   bash scripts/device_check.sh [tests|bench|quick|compile|knobs|all] [extra pytest args...]
-# knobs: the GPU test of the persistent-forward knob, then gpu_check_fwd A/B of it at
-# the benchmark's 1k and 4k hdim 128 rows (about 2 minutes).
+# knobs: the GPU tests of the forward's tile-order knobs (persistent, lpt), then
+# gpu_check_fwd checks and A/B timings of both at the benchmark's rows (hdim 128 at
+# 1k, 4k, 16k; hdim 64 and 256 at 8k).
 # compile: benchmarks/compile_time.py (fresh processes, cold and cached; about 3-4
 # minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
 # Run after `bash .device/install.sh && . /opt/jax_fa4_site/env.sh`.
@@ -21,13 +22,21 @@ if [[ $what == tests || $what == all ]]; then
   summary+="gpu tests: $(tail -1 "$out/gpu_tests.log")"$'\n'
 fi
 if [[ $what == knobs ]]; then
-  python -m pytest -m gpu -q -p no:cacheprovider -k persistent tests/test_gpu.py 2>&1 \
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -k tile_order_knobs tests/test_gpu.py 2>&1 \
     | tee "$out/knob_tests.log" | tail -3
-  python scripts/gpu_check_fwd.py --tiles pers --time-size 16,1024,16 2>&1 \
-    | tee "$out/knob_fwd_1k.log" | tail -8
-  python scripts/gpu_check_fwd.py --tiles pers --no-check 2>&1 \
-    | tee "$out/knob_fwd_4k.log" | tail -8
+  # Checks of both knobs (bf16, short shapes) with the 1k timing, then timing only.
+  python scripts/gpu_check_fwd.py --tiles nopers,lpt --time-size 16,1024,16 2>&1 \
+    | tee "$out/knob_fwd_1k.log" | tail -9
+  for size in 4,4096,16 1,16384,16; do
+    python scripts/gpu_check_fwd.py --tiles nopers,lpt --no-check --time-size $size 2>&1 \
+      | tee "$out/knob_fwd_${size//,/_}.log" | tail -7
+  done
+  python scripts/gpu_check_fwd.py --hdim64 --tiles nopers,nolpt --no-check 2>&1 \
+    | tee "$out/knob_fwd_d64.log" | tail -7
+  python scripts/gpu_check_fwd.py --hdim256 --tiles nolpt --no-check 2>&1 \
+    | tee "$out/knob_fwd_d256.log" | tail -6
   summary+="knob tests: $(tail -1 "$out/knob_tests.log")"$'\n'
+  summary+="knob checks: $(grep -h 'correctness:' "$out"/knob_fwd_1k.log)"$'\n'
 fi
 if [[ $what == all ]]; then
   python examples/train_tiny_transformer.py --steps 20 2>&1 | tee "$out/example.log" | tail -4

@@ -101,6 +101,18 @@ def reference(q, k, v, causal: bool, scale: float, dtype):
     return o, lse
 
 
+def resolve(overrides, d: int, causal: bool):
+    """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
+    for this head dim and mask); None for the default; False where the variant
+    does not serve the mask (persistent: non-causal only; lpt: causal only)."""
+    if overrides is None:
+        return None
+    tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
+    if (tiles.persistent and causal) or (tiles.lpt and not causal):
+        return False
+    return tiles
+
+
 def check_one(dname, d, causal, shape, key, tiles=None):
     dtype = DTYPES[dname]
     b, sq, sk, hq, hkv = shape
@@ -189,7 +201,8 @@ def main() -> int:
         default="",
         help="comma-separated tile variants of the timed head dim, each checked (bf16, short "
         "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs, "
-        "non-causal only), joined with +",
+        "non-causal only), lpt (longest-first tile order, causal only), nopers / nolpt (those "
+        "off), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -228,36 +241,34 @@ def main() -> int:
     configs = [(dn, d, c) for d in head_dims for dn in ("bf16", "fp16") for c in (False, True)]
     variants = [("overlap", None)]
     if args.serial:
-        t = fwd_tiles(d_main, d_main, False)
-        variants.append(("serial", dataclasses.replace(t, intra_wg_overlap=False)))
+        variants.append(("serial", {"intra_wg_overlap": False}))
     # The 2-consumer-warpgroup 128 x 128 tile: the hdim 64 default before the
     # 3-warpgroup 192 x 128 one.
-    wg2 = dataclasses.replace(
-        fwd_tiles(64, 64, False), tile_m=128, num_consumer_wg=2, consumer_regs=240,
-        producer_regs=24
-    )
+    wg2 = {"tile_m": 128, "num_consumer_wg": 2, "consumer_regs": 240, "producer_regs": 24}
     if args.wg2:
         variants = [("wg2", wg2)]
     d_var = 64 if args.hdim64 else d_main
+    knobs = {"pers": ("persistent", True), "nopers": ("persistent", False),
+             "lpt": ("lpt", True), "nolpt": ("lpt", False)}
 
     def tile_variant(spec):
-        t = fwd_tiles(d_var, d_var, False)
+        over = {}
         for knob in spec.split("+"):
-            if knob.startswith("n"):
-                t = dataclasses.replace(t, tile_n=int(knob[1:]))
+            if knob.startswith("n") and knob[1:].isdigit():
+                over["tile_n"] = int(knob[1:])
             elif knob.startswith("st"):
-                t = dataclasses.replace(t, num_stages=int(knob[2:]))
-            elif knob == "pers":  # persistent CTAs (non-causal only)
-                t = dataclasses.replace(t, persistent=True)
+                over["num_stages"] = int(knob[2:])
+            elif knob in knobs:
+                over[knobs[knob][0]] = knobs[knob][1]
             else:
                 raise ValueError(f"unknown tile knob {knob!r}")
-        return t
+        return over
 
     extra = [(spec, tile_variant(spec)) for spec in args.tiles.split(",") if spec]
     if extra:  # check the variants only (the default's checks are the GPU tests)
         variants = extra
     n_fail = 0
-    for vname, tiles in variants if not args.no_check else []:
+    for vname, over in variants if not args.no_check else []:
         for dn, d, causal in configs:
             if vname == "serial" and (dn, d) != ("bf16", d_main):
                 continue  # the fallback variant: one config is enough
@@ -265,8 +276,9 @@ def main() -> int:
                 continue
             if vname in dict(extra) and (dn, d) != ("bf16", d_var):
                 continue
-            if tiles is not None and tiles.persistent and causal:
-                continue  # persistent CTAs serve the non-causal forward only
+            tiles = resolve(over, d, causal)
+            if tiles is False:
+                continue  # persistent: non-causal only; lpt: causal only
             full = not args.quick and dn == "bf16" and d == d_main and vname == "overlap"
             full = full and not extra
             shapes = SHAPES_FULL if full else SHAPES_SHORT
@@ -302,18 +314,18 @@ def main() -> int:
             b_, s_, h_ = (int(x) for x in args.time_size.split(","))
             size.update(b=b_, s=s_, h=h_)
         d_t = size["d"]
-        base = fwd_tiles(d_t, d_t, False)
         timed = [("default", None, True)]
         if args.serial:
-            timed.append(("serial", dataclasses.replace(base, intra_wg_overlap=False), False))
+            timed.append(("serial", {"intra_wg_overlap": False}, False))
         if args.wg2:
             timed.append(("wg2", wg2, False))
         if args.wide:
-            timed.append(("n176", dataclasses.replace(base, tile_n=176), False))
-        timed += [(spec, t, False) for spec, t in extra]
-        for vname, tiles, with_cudnn in timed:
+            timed.append(("n176", {"tile_n": 176}, False))
+        timed += [(spec, over, False) for spec, over in extra]
+        for vname, over, with_cudnn in timed:
             for causal in (False, True):
-                if tiles is not None and tiles.persistent and causal:
+                tiles = resolve(over, d_t, causal)
+                if tiles is False:
                     continue
                 key, sub = jax.random.split(key)
                 try:

@@ -153,13 +153,21 @@ def test_flax_nnx_train_step_on_kernel():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-@pytest.mark.parametrize("shape,d", [((1, 1, 1, 1, 1), 128), ((2, 113, 203, 4, 4), 128),
-                                     ((2, 2000, 2000, 8, 2), 128), ((2, 2000, 1999, 8, 2), 64)],
-                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else f"d{x}")
-def test_forward_persistent_knob(shape, d):
-    """The persistent-CTA forward (Sm90FwdTiles.persistent, not in the table yet):
-    from one tile to more tiles than SMs (256 at 2000 x 2000), so every CTA walks
-    several tiles and reuses its pipelines, ping-pong turns and O buffer."""
+@pytest.mark.parametrize("knob,shape,d", [
+    ("persistent", (1, 1, 1, 1, 1), 128), ("persistent", (2, 113, 203, 4, 4), 128),
+    ("persistent", (2, 2000, 2000, 8, 2), 128), ("persistent", (2, 2000, 1999, 8, 2), 64),
+    ("lpt", (1, 1, 1, 1, 1), 128), ("lpt", (3, 700, 700, 5, 5), 128),
+    ("lpt", (2, 2000, 2000, 8, 2), 128), ("lpt", (1, 20000, 20000, 5, 5), 128),
+    ("lpt", (2, 2000, 1999, 6, 2), 64), ("lpt", (1, 1500, 1500, 3, 3), 256),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_forward_tile_order_knobs(knob, shape, d):
+    """Knobs of the forward's tile order, through the kernel alone.
+
+    persistent (non-causal): from one tile to more tiles than SMs (256 at
+    2000 x 2000), so every CTA walks several tiles and reuses its pipelines,
+    ping-pong turns and O buffer. lpt (causal, FA4's longest-first order over L2
+    sections of heads): one section holding all heads (64 at 700 tokens), and at
+    20000 tokens sections of 4 heads with one head left over."""
     import dataclasses
 
     from cutlass.jax import TensorSpec, cutlass_call
@@ -167,9 +175,10 @@ def test_forward_persistent_knob(shape, d):
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles
 
     b, sq, sk, hq, hkv = shape
+    causal = knob == "lpt"
     dtype = jnp.bfloat16
-    tiles = dataclasses.replace(fwd_tiles(d, d, False), persistent=True)
-    kernel = FlashFwdSm90(dtype, d, d, False, tiles=tiles)
+    tiles = dataclasses.replace(fwd_tiles(d, d, causal), **{knob: True})
+    kernel = FlashFwdSm90(dtype, d, d, causal, tiles=tiles)
     spec = TensorSpec(divisibility=(1, 1, 1, d))
     lse_spec = TensorSpec(divisibility=(1, 1, 1))
     call = jax.jit(cutlass_call(
@@ -181,7 +190,7 @@ def test_forward_persistent_knob(shape, d):
     q, k, v = rand_qkv(sq + d, b, sq, sk, hq, hkv, d, dtype=dtype)
     out, lse = call(q, k, v, jnp.full((b, sq, hq, d), jnp.nan, dtype),
                     jnp.full((b, hq, sq), jnp.nan, jnp.float32))
-    hi = _ref(q, k, v, False, jnp.float32)
-    lo = _ref(q, k, v, False, dtype)
+    hi = _ref(q, k, v, causal, jnp.float32)
+    lo = _ref(q, k, v, causal, dtype)
     assert_close_2x(out, hi[0], lo[0], atol=1e-3, name="out")
     assert_close_2x(lse, hi[1], lo[1], atol=1e-3, name="lse")

@@ -141,3 +141,65 @@ def test_fwd_persistent_knob_refuses_causal_and_hdim256():
     with pytest.raises(Exception, match="bytes of SMEM"):
         lower(lambda: FlashFwdSm90(jnp.bfloat16, 256, 256, False, tiles=tiles), "sm_90a", ins,
               outs)
+
+
+@pytest.mark.parametrize("num_m,heads,batch,section", [
+    (1, 1, 1, 1), (32, 16, 4, 16), (32, 16, 4, 64), (7, 5, 3, 4), (5, 3, 1, 2), (9, 1, 6, 1)])
+def test_lpt_tile_order(num_m, heads, batch, section):
+    """lpt_tile is a bijection onto (m_block, head, batch); within each section of
+    heads the query blocks run longest (last) first, every head of the section
+    per block, and sections go in head order."""
+    from jax_fa4.kernels.sm90_fwd import lpt_tile
+
+    num_hb = heads * batch
+    order = [lpt_tile(t, num_m, heads, num_hb, section) for t in range(num_m * num_hb)]
+    assert sorted(order) == sorted((m, h, b) for m in range(num_m) for h in range(heads)
+                                   for b in range(batch))
+    hb = [b * heads + h for _, h, b in order]
+    for start in range(0, num_hb, section):
+        size = min(section, num_hb - start)
+        chunk = order[start * num_m:(start + size) * num_m]
+        assert [m for m, _, _ in chunk] == [num_m - 1 - j for j in range(num_m) for _ in range(size)]
+        assert hb[start * num_m:(start + size) * num_m] == list(range(start, start + size)) * num_m
+
+
+def test_fwd_lpt_section_sizes():
+    """Heads per L2 section (K and V of a section fit in 50 MiB): hdim 128 at 4k
+    tokens is 2 MiB per head -> 16; a GQA group of 4 shares it -> 64 (the cap);
+    past 400 KV blocks of 128 (51200 tokens) one head per section."""
+    from jax_fa4.kernels.sm90_fwd import _L2_BYTES, _LPT_MAX_SECTION
+
+    def section(seqlen_k, d, group):
+        tile_n = fwd_tiles(d, d, True).tile_n
+        blocks = _L2_BYTES // (tile_n * 2 * d * 2)
+        kv = -(-seqlen_k // tile_n)
+        return max([1] + [p for p in (2, 4, 8, 16, 32, 64)
+                          if p <= _LPT_MAX_SECTION and kv * p <= blocks * group])
+
+    assert section(4096, 128, 1) == 16
+    assert section(4096, 128, 4) == 64
+    assert section(8192, 256, 1) == 4
+    assert section(60000, 128, 1) == 1
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwd_lpt_knob_compiles(tmp_path, d):
+    """The causal LPT order (Sm90FwdTiles.lpt) lowers for every head dim; it changes
+    only the CTA's coordinates, so the kernel keeps its wgmma shapes and no spills."""
+    import dataclasses
+
+    tiles = dataclasses.replace(fwd_tiles(d, d, True), lpt=True)
+    ins, outs = fwd_structs(2, 113, 203, 8, 2, d, jnp.bfloat16)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    text = lower(lambda: FlashFwdSm90(jnp.bfloat16, d, d, True, tiles=tiles), "sm_90a", ins,
+                 outs, compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+    assert "custom_call" in text
+    with pytest.raises(ValueError, match="causal forward only"):
+        FlashFwdSm90(jnp.bfloat16, d, d, False, tiles=tiles)
+    sass_files = glob.glob(str(dump / "*.sass"))
+    if not sass_files:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    sass = open(sass_files[0]).read()
+    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+    assert f"HGMMA.64x{fwd_tiles(d, d, True).tile_n}x16.F32.BF16" in sass

@@ -81,9 +81,36 @@ class Sm90FwdTiles:
     # Persistent CTAs (non-causal only, where every tile costs the same): one CTA
     # per SM walks tiles bid, bid + grid, ...; the load warp fetches the next
     # tile's Q and K while the consumers finish the current one, and O gets its
-    # own SMEM buffer so its TMA store overlaps the next tile. Not in the table
-    # until measured (docs/performance.md).
+    # own SMEM buffer so its TMA store overlaps the next tile (in the table for
+    # hdim 64 / 128, see ``fwd_tiles``).
     persistent: bool = False
+    # Causal only: a 1-D grid in FA4's longest-processing-time-first order.
+    # Heads are taken in sections of as many as keep their K and V in L2
+    # (``_L2_BYTES``); within a section the query blocks go from the last (the
+    # most KV blocks) to the first, all heads of the section per block. The
+    # hardware hands CTAs out in launch order, so the longest tiles start
+    # first and the short ones fill the tail.
+    lpt: bool = False
+
+
+# L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
+_L2_BYTES = 50 * 1024 * 1024
+# The largest L2 section of heads the LPT order forms (a power of two).
+_LPT_MAX_SECTION = 64
+
+
+def lpt_tile(t, num_m, num_heads, num_hb, section, minimum=min):
+    """(m_block, head, batch) of tile t in FA4's LPT order, for plain ints (tests)
+    and DSL integers alike. Tiles t = s * (h_s * num_m) + j * h_s + r, where
+    h_s = min(section, num_hb - s * section) heads are in section s (the last
+    holds those left over), run query block num_m - 1 - j of (head, batch) pair
+    hb = s * section + r, head fastest."""
+    sec = t // (section * num_m)
+    heads_here = minimum(section, num_hb - sec * section)
+    rest = t - sec * section * num_m
+    j = rest // heads_here
+    hb = sec * section + (rest - j * heads_here)
+    return num_m - 1 - j, hb % num_heads, hb // num_heads
 
 
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
@@ -108,8 +135,15 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     each, plus barriers and 1 KiB alignment = 230400 of the 232448 bytes
     (227 KiB) a CTA may use. The O accumulator is 128 fp32 registers per
     consumer thread (64 x 256 per warpgroup).
+
+    Tile order (2026-11-29, kernel alone, each against the default in one process,
+    TFLOP/s): persistent CTAs for the non-causal hdim 64 / 128 forward (hdim 128:
+    1k 525 -> 623, 4k 624 -> 688, 16k 646 -> 664; hdim 64 8k 514 -> 529); hdim 256
+    does not fit a separate O buffer. The LPT order for the causal hdim 64 / 256
+    forward (hdim 64 505 -> 522, hdim 256 665 -> 747); at hdim 128 it measured
+    3-4% slower than the per-head longest-first grid (1k, 4k, 16k), so hdim 128
+    keeps that.
     """
-    del causal  # same tiles for causal and not, see the measurements above
     d = max(head_dim, head_dim_v)
     if d <= 64:
         return Sm90FwdTiles(
@@ -121,6 +155,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
             producer_regs=32,
             intra_wg_overlap=True,
             pingpong=True,
+            persistent=not causal,
+            lpt=causal,
         )
     if d <= 128:
         tile_n = 128
@@ -139,6 +175,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         producer_regs=24,
         intra_wg_overlap=True,
         pingpong=True,
+        persistent=not causal and d <= 128,
+        lpt=causal and d > 128,
     )
 
 
@@ -224,6 +262,10 @@ class FlashFwdSm90:
             raise ValueError("persistent tiles serve the non-causal forward only (causal "
                              "tiles differ in cost; the hardware scheduler balances them)")
         self.num_sms = _num_sms() if self.persistent else 0
+        if t.lpt and not causal:
+            raise ValueError("the LPT tile order serves the causal forward only")
+        if t.lpt and self.persistent:
+            raise ValueError("the LPT tile order is for non-persistent grids")
         logger.debug(
             "FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s",
             self.dtype,
@@ -320,6 +362,8 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.persistent):
             total = grid[0] * grid[1] * grid[2]
             grid = (cutlass.min(total, self.num_sms), 1, 1)
+        if cutlass.const_expr(self.tiles.lpt):
+            grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
             tma_Q,
             tma_K,
@@ -398,7 +442,7 @@ class FlashFwdSm90:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         # Non-persistent: this CTA's one tile, computed where the kernel always did.
-        m_block, head, batch = self.block_coord()
+        m_block, head, batch = self.block_coord(mQ, mK)
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
@@ -460,15 +504,38 @@ class FlashFwdSm90:
                     pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
                     seqlen_q, seqlen_k, n_block_max, first_turn=True)
 
-    def block_coord(self):
+    def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
         matrix have more KV blocks: launch them first so the longest CTAs do not
-        start last."""
+        start last (per head, or across the heads of an L2 section with ``lpt``)."""
         bidx, head, batch = cute.arch.block_idx()
         m_block = bidx
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.tiles.lpt):
+            m_block, head, batch = self.lpt_coord(bidx, mQ, mK)
+        elif cutlass.const_expr(self.causal):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
         return m_block, head, batch
+
+    def lpt_section(self, seqlen_k, group):
+        """Heads per L2 section: the largest power of two (up to
+        ``_LPT_MAX_SECTION``) whose K and V fit in ``_L2_BYTES``; q heads of one
+        GQA group share their K and V."""
+        d_sum = self.head_dim + self.head_dim_v
+        blocks_in_l2 = _L2_BYTES // (self.tile_n * d_sum * (self.dtype.width // 8))
+        kv_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        section = Int32(1)
+        p = 2
+        while p <= _LPT_MAX_SECTION:
+            section = cutlass.select_(kv_blocks * p <= blocks_in_l2 * group, Int32(p), section)
+            p *= 2
+        return section
+
+    def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
+        """(m_block, head, batch) of CTA t in the LPT order (``lpt_tile``)."""
+        num_heads = mQ.shape[2]
+        size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
+        return lpt_tile(t, cute.ceil_div(mQ.shape[0], self.tile_m), num_heads,
+                        num_heads * mQ.shape[3], size, cutlass.min)
 
     def tile_count(self, mQ):
         """(query blocks per head, tiles of the whole problem); mQ is (Sq, D, Hq, B)."""
