@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from cutlass.jax import TensorSpec, cutlass_call  # noqa: E402
 
-from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles  # noqa: E402
+from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90  # noqa: E402
 
 log = logging.getLogger("gpu_check_fwd")
 
@@ -57,31 +57,35 @@ SHAPES_SHORT = [(2, 17, 17, 8, 2), (2, 113, 203, 4, 4), (2, 1000, 1000, 8, 2)]
 
 
 def fwd_call(dtype, d: int, causal: bool, shape, poison: bool, tiles=None):
-    """A jitted f(q, k, v[, o0, lse0]) -> (o, lse) through cutlass_call."""
+    """A jitted f(q, k, v[, o0, lse0]) -> (o, lse) through cutlass_call. The causal
+    persistent kernel also gets a zeroed tile counter (after V, aliased to a third
+    output that is dropped)."""
     b, sq, _, hq, _ = shape
-    kernel = FlashFwdSm90(dtype, d, d, causal, tiles=tiles)
+    kernel = make_fwd_sm90(dtype, d, d, causal, tiles=tiles)
+    dynamic = isinstance(kernel, FlashFwdSm90Dynamic)
     spec = TensorSpec(divisibility=(1, 1, 1, d))
     lse_spec = TensorSpec(divisibility=(1, 1, 1))
-    out_sd = (
+    out_sd = [
         jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-    )
+    ]
+    in_spec, out_spec, aliases = [spec, spec, spec], [spec, lse_spec], {}
+    if dynamic:
+        out_sd.append(jax.ShapeDtypeStruct((1,), jnp.int32))
+        in_spec.append(TensorSpec(divisibility=(1,)))
+        out_spec.append(TensorSpec(divisibility=(1,)))
+        aliases[3] = 2
     if poison:
-        call = cutlass_call(
-            kernel,
-            output_shape_dtype=out_sd,
-            input_spec=[spec, spec, spec, spec, lse_spec],
-            output_spec=[spec, lse_spec],
-            input_output_aliases={3: 0, 4: 1},
-        )
-    else:
-        call = cutlass_call(
-            kernel,
-            output_shape_dtype=out_sd,
-            input_spec=[spec, spec, spec],
-            output_spec=[spec, lse_spec],
-        )
-    return jax.jit(call)
+        aliases.update({len(in_spec): 0, len(in_spec) + 1: 1})
+        in_spec += [spec, lse_spec]
+    call = cutlass_call(kernel, output_shape_dtype=tuple(out_sd), input_spec=in_spec,
+                        output_spec=out_spec, input_output_aliases=aliases)
+
+    def f(q, k, v, *outs):
+        counter = (jnp.zeros((1,), jnp.int32),) if dynamic else ()
+        return call(q, k, v, *counter, *outs)[:2]
+
+    return jax.jit(f)
 
 
 def reference(q, k, v, causal: bool, scale: float, dtype):
@@ -104,11 +108,11 @@ def reference(q, k, v, causal: bool, scale: float, dtype):
 def resolve(overrides, d: int, causal: bool):
     """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
     for this head dim and mask); None for the default; False where the variant
-    does not serve the mask (persistent: non-causal only; lpt: causal only)."""
+    does not serve the mask (lpt: causal only)."""
     if overrides is None:
         return None
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
-    if (tiles.persistent and causal) or (tiles.lpt and not causal):
+    if tiles.lpt and not causal:
         return False
     return tiles
 
@@ -200,9 +204,9 @@ def main() -> int:
         "--tiles",
         default="",
         help="comma-separated tile variants of the timed head dim, each checked (bf16, short "
-        "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs, "
-        "non-causal only), lpt (longest-first tile order, causal only), nopers / nolpt (those "
-        "off), joined with +",
+        "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs; "
+        "causal: dynamic tile counter), lpt (longest-first tile order, causal only), "
+        "nopers / nolpt (those off), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -278,7 +282,7 @@ def main() -> int:
                 continue
             tiles = resolve(over, d, causal)
             if tiles is False:
-                continue  # persistent: non-causal only; lpt: causal only
+                continue  # lpt: causal only
             full = not args.quick and dn == "bf16" and d == d_main and vname == "overlap"
             full = full and not extra
             shapes = SHAPES_FULL if full else SHAPES_SHORT

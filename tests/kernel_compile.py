@@ -61,6 +61,22 @@ def fwd_structs(b, sq, sk, hq, hkv, d, dtype):
     return ins, outs
 
 
+def lower_fwd_sm90(dtype, d: int, causal: bool, shape=(2, 113, 203, 8, 2), tiles=None,
+                   compile_options: str | None = None) -> str:
+    """Lower the sm90 forward (``make_fwd_sm90``) for (B, Sq, Sk, Hq, Hkv) as the
+    FFI layer calls it: the causal persistent kernel also takes the int32 tile
+    counter after V, aliased to a third output."""
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, make_fwd_sm90
+
+    ins, outs = fwd_structs(*shape, d, dtype)
+    aliases = {}
+    if isinstance(make_fwd_sm90(dtype, d, d, causal, tiles=tiles), FlashFwdSm90Dynamic):
+        cnt = jax.ShapeDtypeStruct((1,), jnp.int32)
+        ins, outs, aliases = ins + (cnt,), outs + (cnt,), {3: 2}
+    return lower(lambda: make_fwd_sm90(dtype, d, d, causal, tiles=tiles), "sm_90a", ins, outs,
+                 aliases=aliases, compile_options=compile_options)
+
+
 def bwd_structs(b, sq, sk, hq, hkv, d, dtype):
     """Backward main-kernel operands, results and the dQ-accumulator alias."""
     sds = jax.ShapeDtypeStruct

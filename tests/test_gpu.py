@@ -8,6 +8,7 @@ to write fails the test.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -153,12 +154,23 @@ def test_flax_nnx_train_step_on_kernel():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+_KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
+    "persistent": (False, {"persistent": True}),
+    "lpt": (True, {"lpt": True, "persistent": False}),
+    "dynamic": (True, {"persistent": True, "lpt": False}),
+    "dynamic_lpt": (True, {"persistent": True, "lpt": True}),
+}
+
+
 @pytest.mark.parametrize("knob,shape,d", [
     ("persistent", (1, 1, 1, 1, 1), 128), ("persistent", (2, 113, 203, 4, 4), 128),
     ("persistent", (2, 2000, 2000, 8, 2), 128), ("persistent", (2, 2000, 1999, 8, 2), 64),
     ("lpt", (1, 1, 1, 1, 1), 128), ("lpt", (3, 700, 700, 5, 5), 128),
     ("lpt", (2, 2000, 2000, 8, 2), 128), ("lpt", (1, 20000, 20000, 5, 5), 128),
     ("lpt", (2, 2000, 1999, 6, 2), 64), ("lpt", (1, 1500, 1500, 3, 3), 256),
+    ("dynamic", (1, 1, 1, 1, 1), 128), ("dynamic", (2, 113, 203, 4, 4), 128),
+    ("dynamic", (3, 3000, 3000, 8, 2), 128), ("dynamic", (2, 2000, 1999, 6, 2), 64),
+    ("dynamic_lpt", (3, 3000, 3000, 8, 2), 128), ("dynamic_lpt", (2, 4000, 4000, 6, 2), 64),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -167,29 +179,39 @@ def test_forward_tile_order_knobs(knob, shape, d):
     2000 x 2000), so every CTA walks several tiles and reuses its pipelines,
     ping-pong turns and O buffer. lpt (causal, FA4's longest-first order over L2
     sections of heads): one section holding all heads (64 at 700 tokens), and at
-    20000 tokens sections of 4 heads with one head left over."""
-    import dataclasses
-
+    20000 tokens sections of 4 heads with one head left over. dynamic (causal
+    persistent CTAs taking tiles from a zeroed global counter, per-head or LPT
+    order): 576 and 504 tiles over 132 CTAs, GQA, Sq != Sk, one tile."""
     from cutlass.jax import TensorSpec, cutlass_call
 
-    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90
 
     b, sq, sk, hq, hkv = shape
-    causal = knob == "lpt"
+    causal, over = _KNOBS[knob]
     dtype = jnp.bfloat16
-    tiles = dataclasses.replace(fwd_tiles(d, d, causal), **{knob: True})
-    kernel = FlashFwdSm90(dtype, d, d, causal, tiles=tiles)
+    tiles = dataclasses.replace(fwd_tiles(d, d, causal), **over)
+    kernel = make_fwd_sm90(dtype, d, d, causal, tiles=tiles)
+    dynamic = isinstance(kernel, FlashFwdSm90Dynamic)
+    assert dynamic == (knob.startswith("dynamic"))
     spec = TensorSpec(divisibility=(1, 1, 1, d))
     lse_spec = TensorSpec(divisibility=(1, 1, 1))
+    one = TensorSpec(divisibility=(1,))
+    out_sd = (jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
+              jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+              jax.ShapeDtypeStruct((1,), jnp.int32))
+    n_in = 4 if dynamic else 3
     call = jax.jit(cutlass_call(
-        kernel,
-        output_shape_dtype=(jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
-                            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
-        input_spec=[spec, spec, spec, spec, lse_spec], output_spec=[spec, lse_spec],
-        input_output_aliases={3: 0, 4: 1}))
+        kernel, output_shape_dtype=out_sd[:3 if dynamic else 2],
+        input_spec=[spec, spec, spec] + [one] * dynamic + [spec, lse_spec],
+        output_spec=[spec, lse_spec] + [one] * dynamic,
+        input_output_aliases={n_in: 0, n_in + 1: 1, **({3: 2} if dynamic else {})}))
     q, k, v = rand_qkv(sq + d, b, sq, sk, hq, hkv, d, dtype=dtype)
-    out, lse = call(q, k, v, jnp.full((b, sq, hq, d), jnp.nan, dtype),
-                    jnp.full((b, hq, sq), jnp.nan, jnp.float32))
+    counter = (jnp.zeros((1,), jnp.int32),) if dynamic else ()
+    res = call(q, k, v, *counter, jnp.full((b, sq, hq, d), jnp.nan, dtype),
+               jnp.full((b, hq, sq), jnp.nan, jnp.float32))
+    out, lse = res[:2]
+    if dynamic:  # one claim per tile run: the counter ends at the tile count
+        assert int(res[2][0]) == -(-sq // tiles.tile_m) * hq * b, int(res[2][0])
     hi = _ref(q, k, v, causal, jnp.float32)
     lo = _ref(q, k, v, causal, dtype)
     assert_close_2x(out, hi[0], lo[0], atol=1e-3, name="out")

@@ -20,16 +20,14 @@ cutlass_jax = pytest.importorskip("cutlass.jax")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from kernel_compile import fwd_structs, lower  # noqa: E402
+from kernel_compile import fwd_structs, lower, lower_fwd_sm90  # noqa: E402
 
 from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles  # noqa: E402
 
 
 def _lower(dtype, d: int, causal: bool, shape=(2, 113, 203, 8, 2), compile_options=None):
     """Lower the forward for (B, Sq, Sk, Hq, Hkv) for sm_90a; returns the HLO text."""
-    ins, outs = fwd_structs(*shape, d, dtype)
-    return lower(lambda: FlashFwdSm90(dtype, d, d, causal), "sm_90a", ins, outs,
-                 compile_options=compile_options)
+    return lower_fwd_sm90(dtype, d, causal, shape, compile_options=compile_options)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +99,7 @@ def test_fwd_tiles_head_dims():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_fwd_persistent_knob_compiles(tmp_path, d):
-    """Persistent CTAs (Sm90FwdTiles.persistent, a knob until measured): O has its own
+    """Persistent CTAs (Sm90FwdTiles.persistent, in the table for hdim 64 / 128): O has its own
     SMEM buffer, and the thread that stores O waits for the previous tile's store
     to have read it before the consumers write it again, not right after the store."""
     import dataclasses
@@ -130,17 +128,60 @@ def test_fwd_persistent_knob_compiles(tmp_path, d):
     assert all(w > exits[0] for w in waits if w > store), "O store waited at once"
 
 
-def test_fwd_persistent_knob_refuses_causal_and_hdim256():
+def test_fwd_persistent_knob_refusals():
+    """The causal persistent kernel is FlashFwdSm90Dynamic (it takes the tile
+    counter): the plain class refuses to trace it, the dynamic class refuses
+    non-causal tiles; hdim 256 has no SMEM for a separate O buffer."""
     import dataclasses
 
-    with pytest.raises(ValueError, match="non-causal"):
-        FlashFwdSm90(jnp.bfloat16, 128, 128, True,
-                     tiles=dataclasses.replace(fwd_tiles(128, 128, True), persistent=True))
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, make_fwd_sm90
+
+    causal_pers = dataclasses.replace(fwd_tiles(128, 128, True), persistent=True)
+    assert isinstance(make_fwd_sm90(jnp.bfloat16, 128, 128, True, tiles=causal_pers),
+                      FlashFwdSm90Dynamic)
+    assert not isinstance(make_fwd_sm90(jnp.bfloat16, 128, 128, False), FlashFwdSm90Dynamic)
+    ins, outs = fwd_structs(2, 113, 203, 8, 2, 128, jnp.bfloat16)
+    with pytest.raises(Exception, match="tile counter"):
+        lower(lambda: FlashFwdSm90(jnp.bfloat16, 128, 128, True, tiles=causal_pers), "sm_90a",
+              ins, outs)
+    with pytest.raises(ValueError, match="causal persistent"):
+        FlashFwdSm90Dynamic(jnp.bfloat16, 128, 128, False,
+                            tiles=dataclasses.replace(causal_pers, lpt=False))
     tiles = dataclasses.replace(fwd_tiles(256, 256, False), persistent=True)
     ins, outs = fwd_structs(2, 113, 203, 8, 2, 256, jnp.bfloat16)
     with pytest.raises(Exception, match="bytes of SMEM"):
         lower(lambda: FlashFwdSm90(jnp.bfloat16, 256, 256, False, tiles=tiles), "sm_90a", ins,
               outs)
+
+
+@pytest.mark.parametrize("d,lpt", [(128, False), (64, True)])
+def test_fwd_dynamic_scheduler_compiles(tmp_path, d, lpt):
+    """The causal persistent forward (FlashFwdSm90Dynamic): q, k, v, then the int32
+    tile counter aliased to a third output. The load warp claims tiles with one
+    global atomic add per tile (ATOMG.E.ADD) and hands them to the consumers
+    through SMEM; no spills, no wgmma serialisation."""
+    import dataclasses
+
+    tiles = dataclasses.replace(fwd_tiles(d, d, True), persistent=True, lpt=lpt)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    text = lower_fwd_sm90(jnp.bfloat16, d, True, tiles=tiles,
+                          compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+    assert "custom_call" in text
+    sass_files = glob.glob(str(dump / "*.sass"))
+    if not sass_files:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    sass = open(sass_files[0]).read()
+    assert sass.count("ATOMG.E.ADD") == 1, "one claim site in the load warp"
+    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+    assert f"HGMMA.64x{d}x16.F32.BF16" in sass
+    ptx_files = glob.glob(str(dump / "*.ptx"))
+    if ptx_files and shutil.which("ptxas"):
+        res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", ptx_files[0], "-o",
+                              str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                             check=True)
+        assert "0 bytes spill stores" in res.stderr
+        assert not [ln for ln in res.stderr.splitlines() if "(C75" in ln]
 
 
 @pytest.mark.parametrize("num_m,heads,batch,section", [
@@ -159,7 +200,8 @@ def test_lpt_tile_order(num_m, heads, batch, section):
     for start in range(0, num_hb, section):
         size = min(section, num_hb - start)
         chunk = order[start * num_m:(start + size) * num_m]
-        assert [m for m, _, _ in chunk] == [num_m - 1 - j for j in range(num_m) for _ in range(size)]
+        longest_first = [num_m - 1 - j for j in range(num_m) for _ in range(size)]
+        assert [m for m, _, _ in chunk] == longest_first
         assert hb[start * num_m:(start + size) * num_m] == list(range(start, start + size)) * num_m
 
 
@@ -188,7 +230,7 @@ def test_fwd_lpt_knob_compiles(tmp_path, d):
     only the CTA's coordinates, so the kernel keeps its wgmma shapes and no spills."""
     import dataclasses
 
-    tiles = dataclasses.replace(fwd_tiles(d, d, True), lpt=True)
+    tiles = dataclasses.replace(fwd_tiles(d, d, True), lpt=True, persistent=False)
     ins, outs = fwd_structs(2, 113, 203, 8, 2, d, jnp.bfloat16)
     dump = tmp_path / "dump"
     dump.mkdir()

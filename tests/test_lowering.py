@@ -46,6 +46,9 @@ def test_forward_and_backward_lower_for_cuda(monkeypatch, arch, d, causal, dtype
     structs = _structs(2, 113, 203, 8, 2, d, dtype)
     fwd = _lower(lambda q, k, v: jax_fa4.attention(q, k, v, causal=causal), *structs)
     assert fwd.count(CALL) == 1
+    # The sm90 causal forward (persistent, dynamic scheduler) takes a zeroed int32
+    # tile counter; no other forward has an int32 operand.
+    assert ("tensor<1xi32>" in fwd) == (arch == "sm_90a" and causal)
     bwd = _lower(jax.grad(loss, argnums=(0, 1, 2)), *structs)
     # forward + preprocess + main backward + postprocess
     assert bwd.count(CALL) == 4

@@ -1,6 +1,9 @@
 """Hopper (sm_90a) flash-attention forward: TMA + wgmma, warp specialized.
 
-One CTA computes one (tile_m x head_dim_v) tile of O for one (batch, q head):
+A CTA computes (tile_m x head_dim_v) tiles of O, each for one (batch, q head):
+one tile per CTA (hdim 256), or persistent CTAs, one per SM, walking tiles in a
+static round robin (non-causal) or taking them longest-first from a global
+counter (causal, ``FlashFwdSm90Dynamic``); see ``Sm90FwdTiles``. Per tile:
 
 * warpgroup 0 is the producer: its first warp issues TMA loads of the Q tile
   (once) and of K and V tiles through two multi-stage mbarrier pipelines; the
@@ -14,8 +17,9 @@ One CTA computes one (tile_m x head_dim_v) tile of O for one (batch, q head):
   waits; the two consumer warpgroups also take turns issuing their GEMMs
   (ping-pong through two named barriers) so that one's softmax overlaps the
   other's GEMMs.
-* Epilogue: O / row_sum in 16 bits goes through SMEM (the Q buffer) and one
-  TMA store, which clips rows past seqlen_q; LSE is stored per row directly.
+* Epilogue: O / row_sum in 16 bits goes through SMEM (the Q buffer; its own
+  buffer in persistent CTAs) and one TMA store, which clips rows past seqlen_q;
+  LSE is stored per row directly.
 
 The contract (docs/design.md): tensors arrive row-major as JAX holds them,
 with dynamic batch, sequence and head extents; the head dims are compile-time.
@@ -136,13 +140,15 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     (227 KiB) a CTA may use. The O accumulator is 128 fp32 registers per
     consumer thread (64 x 256 per warpgroup).
 
-    Tile order (2026-11-29, kernel alone, each against the default in one process,
-    TFLOP/s): persistent CTAs for the non-causal hdim 64 / 128 forward (hdim 128:
-    1k 525 -> 623, 4k 624 -> 688, 16k 646 -> 664; hdim 64 8k 514 -> 529); hdim 256
-    does not fit a separate O buffer. The LPT order for the causal hdim 64 / 256
-    forward (hdim 64 505 -> 522, hdim 256 665 -> 747); at hdim 128 it measured
-    3-4% slower than the per-head longest-first grid (1k, 4k, 16k), so hdim 128
-    keeps that.
+    Tile order (2026-11-29, kernel alone, each against the previous default in one
+    process, TFLOP/s): persistent CTAs for hdim 64 / 128; hdim 256 does not fit
+    a separate O buffer. Non-causal (static round robin): hdim 128 1k 525 -> 623,
+    4k 624 -> 688, 16k 646 -> 664; hdim 64 8k 514 -> 529. Causal (dynamic
+    scheduler, FlashFwdSm90Dynamic) in the LPT order: hdim 128 1k 399 -> 468,
+    4k 601 -> 653, 16k 655 -> 647; hdim 64 8k 505 -> 530 (per-head order instead:
+    439 / 597 / 605 and 494). Causal hdim 256 (one CTA per tile) in the LPT order:
+    665 -> 747. A non-persistent grid in the LPT order measured 3-4% slower than
+    per-head longest-first at hdim 128 and 3% faster at hdim 64.
     """
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -155,7 +161,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
             producer_regs=32,
             intra_wg_overlap=True,
             pingpong=True,
-            persistent=not causal,
+            persistent=True,
             lpt=causal,
         )
     if d <= 128:
@@ -175,8 +181,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         producer_regs=24,
         intra_wg_overlap=True,
         pingpong=True,
-        persistent=not causal and d <= 128,
-        lpt=causal and d > 128,
+        persistent=d <= 128,
+        lpt=causal,
     )
 
 
@@ -223,8 +229,8 @@ class FlashFwdSm90:
     """Forward attention for sm_90a, one compiled binary per configuration.
 
     dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
-    head_dim, head_dim_v: D and Dv (compile time, D == Dv; 64 and 128 tested on
-        the H200; 256 (tile 128 x 80) compiled for sm_90a, not yet run on a GPU).
+    head_dim, head_dim_v: D and Dv (compile time, D == Dv; 64, 128 and 256 (tile
+        128 x 80) tested on the H200).
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
     tiles: override the tile table (``fwd_tiles``) for experiments.
@@ -258,14 +264,12 @@ class FlashFwdSm90:
         self.num_mma_threads = _THREADS_PER_WG * t.num_consumer_wg
         self.pingpong = t.pingpong and t.num_consumer_wg >= 2
         self.persistent = t.persistent
-        if self.persistent and causal:
-            raise ValueError("persistent tiles serve the non-causal forward only (causal "
-                             "tiles differ in cost; the hardware scheduler balances them)")
+        # Causal tiles differ in cost: persistent CTAs take them from a global
+        # counter (the call's extra operand, see FlashFwdSm90Dynamic).
+        self.dynamic = self.persistent and causal
         self.num_sms = _num_sms() if self.persistent else 0
         if t.lpt and not causal:
             raise ValueError("the LPT tile order serves the causal forward only")
-        if t.lpt and self.persistent:
-            raise ValueError("the LPT tile order is for non-persistent grids")
         logger.debug(
             "FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s",
             self.dtype,
@@ -285,6 +289,22 @@ class FlashFwdSm90:
         mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
         mO: cute.Tensor,  # (B, Sq, Hq, Dv)
         mLSE: cute.Tensor,  # (B, Hq, Sq) f32
+    ):
+        if cutlass.const_expr(self.dynamic):
+            raise TypeError("the causal persistent forward takes a tile counter: call "
+                            "FlashFwdSm90Dynamic (see make_fwd_sm90)")
+        self.launch(stream, mQ, mK, mV, mO, mLSE, None)
+
+    @cute.jit
+    def launch(
+        self,
+        stream: cuda.CUstream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
+        mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch (dynamic only)
     ):
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
@@ -352,6 +372,9 @@ class FlashFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+            # Dynamic scheduler: a 2-slot ring of tile indices, producer -> consumers.
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 4 if self.dynamic else 0]
+            sched: cute.struct.MemRange[Int32, 2 if self.dynamic else 0]
 
         smem_bytes = SharedStorage.size_in_bytes()
         if cutlass.const_expr(smem_bytes > _SM90_MAX_SMEM_BYTES):
@@ -362,7 +385,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.persistent):
             total = grid[0] * grid[1] * grid[2]
             grid = (cutlass.min(total, self.num_sms), 1, 1)
-        if cutlass.const_expr(self.tiles.lpt):
+        if cutlass.const_expr(self.tiles.lpt and not self.persistent):
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
             tma_Q,
@@ -370,6 +393,7 @@ class FlashFwdSm90:
             tma_V,
             tma_O,
             mLSE,
+            mTileCounter,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -392,6 +416,7 @@ class FlashFwdSm90:
         mV: cute.Tensor,  # TMA view of V (Sk, Dv, Hkv, B)
         mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        mTileCounter: cute.Tensor | None,  # (1,) int32 (dynamic scheduler only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -431,6 +456,18 @@ class FlashFwdSm90:
         pipe_q = tma_pipeline(storage.mbar_q, 1, self.tx_bytes_q)
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, self.tx_bytes_k)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, self.tx_bytes_v)
+        pipe_sched = None
+        if cutlass.const_expr(self.dynamic):
+            # The load warp (all 32 lanes arrive) hands tile indices to every
+            # consumer thread (each arrives when it has read its copy).
+            pipe_sched = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_sched.data_ptr(),
+                num_stages=2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_threads),
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -461,7 +498,12 @@ class FlashFwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.producer_regs)
             if warp_idx == 0:
-                if cutlass.const_expr(self.persistent):
+                if cutlass.const_expr(self.dynamic):
+                    self.load_dynamic(
+                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        pipe_q, pipe_k, pipe_v, q_prod, kv_prod, pipe_sched,
+                        storage.sched.get_tensor(cute.make_layout(2)), mTileCounter)
+                elif cutlass.const_expr(self.persistent):
                     num_m, total = self.tile_count(mQ)
                     for t in cutlass.range(cute.arch.block_idx()[0], total,
                                            cute.arch.grid_dim()[0], unroll=1):
@@ -487,14 +529,27 @@ class FlashFwdSm90:
                             barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
                         )
                 num_m, total = self.tile_count(mQ)
-                for t in cutlass.range(cute.arch.block_idx()[0], total,
-                                       cute.arch.grid_dim()[0], unroll=1):
-                    t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
-                    q_cons, kv_cons = self.consume(
-                        mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                        pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
-                        seqlen_q, seqlen_k, cute.ceil_div(seqlen_k, self.tile_n),
-                        first_turn=False)
+                if cutlass.const_expr(self.dynamic):
+                    sched = storage.sched.get_tensor(cute.make_layout(2))
+                    s_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                    t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
+                    while t < total:
+                        t_m, t_head, t_batch = self.causal_coord(t, mQ, mK)
+                        q_cons, kv_cons = self.consume(
+                            mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                            pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
+                            seqlen_q, seqlen_k, self.n_block_max(t_m, seqlen_k),
+                            first_turn=False)
+                        t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
+                else:
+                    for t in cutlass.range(cute.arch.block_idx()[0], total,
+                                           cute.arch.grid_dim()[0], unroll=1):
+                        t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        q_cons, kv_cons = self.consume(
+                            mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                            pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
+                            seqlen_q, seqlen_k, cute.ceil_div(seqlen_k, self.tile_n),
+                            first_turn=False)
                 # The last O store must have read SMEM before the CTA exits.
                 if cute.arch.thread_idx()[0] == _THREADS_PER_WG:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -536,6 +591,76 @@ class FlashFwdSm90:
         size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
         return lpt_tile(t, cute.ceil_div(mQ.shape[0], self.tile_m), num_heads,
                         num_heads * mQ.shape[3], size, cutlass.min)
+
+    def causal_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
+        """(m_block, head, batch) of tile t of the dynamic scheduler: the LPT order
+        (``lpt``), else per head from its last query block to its first."""
+        if cutlass.const_expr(self.tiles.lpt):
+            return self.lpt_coord(t, mQ, mK)
+        num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
+        m_block, head, batch = self.tile_coord(t, num_m, mQ.shape[2])
+        return num_m - 1 - m_block, head, batch
+
+    @cute.jit
+    def next_tile(self, pipe_sched, sched: cute.Tensor, state: pipeline.PipelineState):
+        """Consumer thread: the next tile index from the load warp (>= the tile
+        count when the CTA is done); returns (index, advanced state)."""
+        pipe_sched.consumer_wait(state)
+        t = sched[state.index]
+        pipe_sched.consumer_release(state)
+        state.advance()
+        return t, state
+
+    @cute.jit
+    def load_dynamic(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_k: pipeline.PipelineTmaAsync,
+        pipe_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        state: pipeline.PipelineState,
+        pipe_sched,
+        sched: cute.Tensor,  # (2,) int32 in SMEM
+        mTileCounter: cute.Tensor,  # (1,) int32, zero at launch
+    ):
+        """Load warp of the dynamic scheduler: the CTA's first tile is its block
+        index; each next one is grid + the global counter's old value (one atomic
+        per tile, by lane 0, issued before the tile's loads so its latency hides
+        behind them). Every index, and a final one past the end, goes to the
+        consumers through a 2-slot SMEM ring."""
+        _, total = self.tile_count(mQ)
+        group = mQ.shape[2] // mK.shape[2]
+        seqlen_k = mK.shape[0]
+        grid = cute.arch.grid_dim()[0]
+        lane = cute.arch.lane_idx()
+        s_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        t = cute.arch.block_idx()[0]
+        while t < total:
+            pipe_sched.producer_acquire(s_prod)
+            sched[s_prod.index] = t
+            pipe_sched.producer_commit(s_prod)
+            s_prod.advance()
+            claimed = Int32(0)
+            if lane == 0:
+                claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
+            t_m, t_head, t_batch = self.causal_coord(t, mQ, mK)
+            q_state, state = self.load(
+                mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                pipe_q, pipe_k, pipe_v, q_state, state, t_m, t_head, t_head // group,
+                t_batch, self.n_block_max(t_m, seqlen_k))
+            t = grid + cute.arch.shuffle_sync(claimed, 0)
+        pipe_sched.producer_acquire(s_prod)
+        sched[s_prod.index] = t
+        pipe_sched.producer_commit(s_prod)
 
     def tile_count(self, mQ):
         """(query blocks per head, tiles of the whole problem); mQ is (Sq, D, Hq, B)."""
@@ -989,3 +1114,46 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(not self.persistent):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class FlashFwdSm90Dynamic(FlashFwdSm90):
+    """The causal persistent forward (``Sm90FwdTiles.persistent`` with causal): one
+    CTA per SM takes tiles from a global counter, longest first, so the tiles'
+    unequal costs balance as the hardware's own scheduler would, while each CTA
+    still overlaps one tile's epilogue with the next one's loads.
+
+    The call takes one extra operand, after V: a (1,) int32 counter that must be
+    zero at launch (the FFI layer passes a fresh zero buffer aliased to an extra
+    output, see ``rules.kernels_cuda.forward``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.dynamic:
+            raise ValueError("FlashFwdSm90Dynamic is the causal persistent forward")
+
+    @cute.jit
+    def __call__(
+        self,
+        stream: cuda.CUstream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mTileCounter: cute.Tensor,  # (1,) int32, zero at launch
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
+    ):
+        if cutlass.const_expr(mTileCounter.element_type != Int32):
+            raise TypeError("the tile counter must be int32")
+        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter)
+
+
+def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
+                  causal: bool = False, softmax_scale: float | None = None,
+                  tiles: Sm90FwdTiles | None = None) -> FlashFwdSm90:
+    """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
+    where its tiles make it the causal persistent kernel (which takes the tile
+    counter operand), else ``FlashFwdSm90``."""
+    hv = head_dim if head_dim_v is None else head_dim_v
+    t = tiles or fwd_tiles(head_dim, hv, causal)
+    cls = FlashFwdSm90Dynamic if (t.persistent and causal) else FlashFwdSm90
+    return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t)

@@ -40,12 +40,22 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
 def _fwd_kernel(key: KernelKey):
     dtype = _cutlass_dtype(key.dtype)
     if key.arch == "sm_90a":
-        from jax_fa4.kernels.sm90_fwd import FlashFwdSm90 as Kernel
+        from jax_fa4.kernels.sm90_fwd import make_fwd_sm90 as Kernel
     elif key.arch == "sm_100a":  # compiled, not run on hardware
         from jax_fa4.kernels.sm100_fwd import FlashFwdSm100 as Kernel
     else:
         raise NotImplementedError(f"no forward kernel for {key.arch}")
     return Kernel(dtype, key.head_dim, key.head_dim_v, key.causal, key.scale)
+
+
+def _fwd_takes_tile_counter(key: KernelKey) -> bool:
+    """Whether the forward kernel takes a zeroed int32 tile counter after V (the
+    sm90 causal persistent kernel's dynamic scheduler)."""
+    if key.arch != "sm_90a":
+        return False
+    from jax_fa4.kernels.sm90_fwd import fwd_tiles
+
+    return key.causal and fwd_tiles(key.head_dim, key.head_dim_v, key.causal).persistent
 
 
 def forward(q, k, v, *, config: AttentionConfig, arch: str):
@@ -56,14 +66,23 @@ def forward(q, k, v, *, config: AttentionConfig, arch: str):
         jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((b, hq, sq), jax.numpy.float32),
     )
+    inputs, in_static, out_static, aliases = (q, k, v), (_BSHD, _BSHD, _BSHD), (_BSHD, _BHS), {}
+    if _fwd_takes_tile_counter(key):
+        # A fresh zero each call (XLA memsets it), updated in place and dropped.
+        counter = jax.numpy.zeros((1,), jax.numpy.int32)
+        inputs, in_static = inputs + (counter,), in_static + ((0,),)
+        out_structs += (jax.ShapeDtypeStruct((1,), jax.numpy.int32),)
+        out_static += ((0,),)
+        aliases = {3: 2}
     out, lse = kernel_call(
         key,
         functools.partial(_fwd_kernel, key),
-        (q, k, v),
+        inputs,
         out_structs,
-        in_static=(_BSHD, _BSHD, _BSHD),
-        out_static=(_BSHD, _BHS),
-    )
+        in_static=in_static,
+        out_static=out_static,
+        aliases=aliases,
+    )[:2]
     return out, lse
 
 
