@@ -127,8 +127,14 @@ def jax_impls(peers):
     return impls
 
 
-def bench_jax(name, attn, q, k, v, causal, iters):
-    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of one JAX implementation."""
+def bench_jax(name, attn, q, k, v, causal, iters, bwd_timing="diff"):
+    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of one JAX implementation.
+
+    bwd_timing "diff": the backward is the fwd+bwd step's time minus the forward's
+    (the figures in docs/performance.md so far); "direct": the pullback alone,
+    timed on the residuals of one forward (jax.vjp's function is a pytree, so a
+    jitted function takes it as an argument).
+    """
     fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal))
     dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
 
@@ -138,8 +144,14 @@ def bench_jax(name, attn, q, k, v, causal, iters):
 
     bwd = jax.jit(_bwd)
     t_fwd = time_jax(fwd, (q, k, v), iters)
-    t_fb = time_jax(bwd, (q, k, v, dout), iters)  # forward + backward
     mem = xla_memory(bwd, (q, k, v, dout))
+    if bwd_timing == "direct":
+        _, pull = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: attn(q, k, v, causal),
+                                                  q, k, v))(q, k, v)
+        t_bwd = time_jax(jax.jit(lambda pull, dout: pull(dout)), (pull, dout), iters)
+        del pull
+        return t_fwd, t_bwd, mem
+    t_fb = time_jax(bwd, (q, k, v, dout), iters)  # forward + backward
     return t_fwd, max(t_fb - t_fwd, 1e-9), mem
 
 
@@ -152,11 +164,13 @@ def import_fa4_func():
     return flash_attn_func
 
 
-def bench_fa4_torch(q, k, v, causal, iters):
+def bench_fa4_torch(q, k, v, causal, iters, bwd_timing="diff"):
     """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of flash-attn-4 (PyTorch).
 
     Same data as the JAX implementations (bf16 -> f32 -> bf16 is exact), same
     timing function; the forward runs with grad enabled, as in training.
+    bwd_timing as in ``bench_jax`` ("direct": autograd.grad on one forward's
+    graph, kept with retain_graph).
     """
     import numpy as np
     import torch
@@ -176,6 +190,11 @@ def bench_fa4_torch(q, k, v, causal, iters):
 
     sync = lambda _: torch.cuda.synchronize()
     t_fwd = time_calls(fwd, sync, iters)
+    if bwd_timing == "direct":
+        out = fwd()
+        t_bwd = time_calls(
+            lambda: torch.autograd.grad(out, (tq, tk, tv), dout, retain_graph=True), sync, iters)
+        del out
     t_fb = time_calls(fb, sync, iters)  # forward + backward
     # Peak of one step above what is allocated before it (inputs and dout).
     torch.cuda.synchronize()
@@ -185,6 +204,8 @@ def bench_fa4_torch(q, k, v, causal, iters):
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / MiB
     del grads
+    if bwd_timing == "direct":
+        return t_fwd, t_bwd, {"peak_mib": peak}
     return t_fwd, max(t_fb - t_fwd, 1e-9), {"peak_mib": peak}
 
 
@@ -206,6 +227,9 @@ def main(argv=None):
                    help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
+    p.add_argument("--bwd-timing", choices=("diff", "direct"), default="diff",
+                   help="backward time: fwd+bwd step minus fwd (diff), or the backward "
+                        "alone on saved residuals (direct; not yet run on the H200)")
     args = p.parse_args(argv)
     peers = set(args.peers.split(",")) if args.peers else set()
     os.makedirs(args.out, exist_ok=True)
@@ -233,7 +257,8 @@ def main(argv=None):
         for name, attn in impls.items():
             print(f"[{i + 1}/{len(cases)}] d={d} s={s} causal={causal}: {name} ...", flush=True)
             try:
-                results[name] = bench_jax(name, attn, q, k, v, causal, args.iters)
+                results[name] = bench_jax(name, attn, q, k, v, causal, args.iters,
+                                          args.bwd_timing)
             except Exception as e:  # noqa: BLE001 - report and continue with the others
                 print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -242,7 +267,8 @@ def main(argv=None):
             print(f"[{i + 1}/{len(cases)}] d={d} s={s} causal={causal}: fa4 (torch) ...",
                   flush=True)
             try:
-                results["fa4_torch"] = bench_fa4_torch(q, k, v, causal, args.iters)
+                results["fa4_torch"] = bench_fa4_torch(q, k, v, causal, args.iters,
+                                                       args.bwd_timing)
             except Exception as e:  # noqa: BLE001
                 print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             else:

@@ -167,3 +167,29 @@ def test_vmap_over_queries_reads_shared_kv_once(monkeypatch):
     txt = _lower(fn, qs, k, v)
     call = next(line for line in txt.splitlines() if CALL in line)
     assert "(tensor<2x64x12x64xbf16>, tensor<2x203x2x64xbf16>, tensor<2x203x2x64xbf16>)" in call
+
+
+@pytest.mark.parametrize("shape", [(0, 17, 4, 2), (2, 17, 0, 2)], ids=["batch0", "heads0"])
+def test_empty_batch_or_heads_launch_no_kernel(monkeypatch, shape):
+    """B = 0 or Hq = 0 (a CUDA grid may not be empty): no custom call; the outputs
+    and gradients are empty, or zero for K and V."""
+    from jax_fa4.config import AttentionConfig
+    from jax_fa4.rules import kernels_cuda
+
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    b, s, hq, hkv = shape
+    q = jnp.ones((b, s, hq, 64), jnp.bfloat16)
+    k = jnp.full((b, 9, hkv, 64), 2.0, jnp.bfloat16)
+    v = jnp.full(k.shape, 3.0, jnp.bfloat16)
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+
+    def loss(q, k, v):
+        return jnp.sum(jax_fa4.attention(q, k, v, causal=True, implementation="cute"))
+
+    assert CALL not in _lower(jax.grad(loss, argnums=(0, 1, 2)), *structs)
+    cfg = AttentionConfig(scale=0.125, causal=True)
+    out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
+    assert out.shape == (b, s, hq, 64) and lse.shape == (b, hq, s)
+    dq, dk, dv = kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch="sm_90a")
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert not jnp.any(dk) and not jnp.any(dv)

@@ -61,6 +61,9 @@ def _fwd_takes_tile_counter(key: KernelKey) -> bool:
 def forward(q, k, v, *, config: AttentionConfig, arch: str):
     """(out [B,Sq,Hq,Dv], lse [B,Hq,Sq] f32) from the forward kernel."""
     b, sq, hq, _ = q.shape
+    if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
+        return (jax.numpy.zeros((b, sq, hq, v.shape[-1]), q.dtype),
+                jax.numpy.zeros((b, hq, sq), jax.numpy.float32))
     key = _key("fwd", arch, q, v, config)
     out_structs = (
         jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
@@ -132,6 +135,8 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
     b, sq, hq, d = q.shape
+    if b == 0 or hq == 0:  # no query attends to K and V: their gradients are zero
+        return tuple(jax.numpy.zeros(x.shape, x.dtype) for x in (q, k, v))
     ws = bwd_workspace_shapes(b, sq, hq, d)
     ws_structs = tuple(
         jax.ShapeDtypeStruct(ws[name][0], ws[name][1]) for name in ("Dpsum", "LSElog2", "dQaccum")
