@@ -208,19 +208,21 @@ def test_lpt_tile_order(num_m, heads, batch, section):
 def test_fwd_lpt_section_sizes():
     """Heads per L2 section (K and V of a section fit in 50 MiB): hdim 128 at 4k
     tokens is 2 MiB per head -> 16; a GQA group of 4 shares it -> 64 (the cap);
-    past 400 KV blocks of 128 (51200 tokens) one head per section."""
-    from jax_fa4.kernels.sm90_fwd import _L2_BYTES, _LPT_MAX_SECTION
+    16k tokens (8 MiB) -> 4;
+    hdim 256 at 8k (8 MiB) -> 4; past 400 KV blocks of 128 (51200 tokens) one head
+    per section."""
+    from jax_fa4.kernels.sm90_fwd import lpt_section_size
 
     def section(seqlen_k, d, group):
         tile_n = fwd_tiles(d, d, True).tile_n
-        blocks = _L2_BYTES // (tile_n * 2 * d * 2)
-        kv = -(-seqlen_k // tile_n)
-        return max([1] + [p for p in (2, 4, 8, 16, 32, 64)
-                          if p <= _LPT_MAX_SECTION and kv * p <= blocks * group])
+        return lpt_section_size(-(-seqlen_k // tile_n), group, tile_n * 2 * d * 2)
 
     assert section(4096, 128, 1) == 16
     assert section(4096, 128, 4) == 64
+    assert section(1024, 128, 1) == 64
+    assert section(16384, 128, 1) == 4
     assert section(8192, 256, 1) == 4
+    assert section(8192, 64, 1) == 16
     assert section(60000, 128, 1) == 1
 
 

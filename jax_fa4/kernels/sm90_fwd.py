@@ -117,6 +117,21 @@ def lpt_tile(t, num_m, num_heads, num_hb, section, minimum=min):
     return num_m - 1 - j, hb % num_heads, hb // num_heads
 
 
+def lpt_section_size(kv_blocks, group, kv_block_bytes: int,
+                     select=lambda c, a, b: a if c else b, one=1):
+    """Heads per L2 section of the LPT order: the largest power of two up to
+    ``_LPT_MAX_SECTION`` whose K and V (kv_blocks blocks of kv_block_bytes each per
+    KV head, shared by the ``group`` q heads of a GQA group) fit in ``_L2_BYTES``.
+    For plain ints (tests) and DSL integers (``select`` = arith.select) alike."""
+    blocks_in_l2 = _L2_BYTES // kv_block_bytes
+    section = one
+    p = 2
+    while p <= _LPT_MAX_SECTION:
+        section = select(kv_blocks * p <= blocks_in_l2 * group, p, section)
+        p *= 2
+    return section
+
+
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     """The tile table: hdim 64 192 x 128 (3 consumer WGs), hdim 128 128 x 128,
     hdim 256 128 x 80 (2 consumer WGs).
@@ -572,18 +587,11 @@ class FlashFwdSm90:
         return m_block, head, batch
 
     def lpt_section(self, seqlen_k, group):
-        """Heads per L2 section: the largest power of two (up to
-        ``_LPT_MAX_SECTION``) whose K and V fit in ``_L2_BYTES``; q heads of one
-        GQA group share their K and V."""
-        d_sum = self.head_dim + self.head_dim_v
-        blocks_in_l2 = _L2_BYTES // (self.tile_n * d_sum * (self.dtype.width // 8))
-        kv_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        section = Int32(1)
-        p = 2
-        while p <= _LPT_MAX_SECTION:
-            section = cutlass.select_(kv_blocks * p <= blocks_in_l2 * group, Int32(p), section)
-            p *= 2
-        return section
+        """Heads per L2 section of this kernel (``lpt_section_size``)."""
+        return lpt_section_size(
+            cute.ceil_div(seqlen_k, self.tile_n), group,
+            self.tile_n * (self.head_dim + self.head_dim_v) * (self.dtype.width // 8),
+            lambda c, a, b: cutlass.select_(c, Int32(a), b), Int32(1))
 
     def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
         """(m_block, head, batch) of CTA t in the LPT order (``lpt_tile``)."""
