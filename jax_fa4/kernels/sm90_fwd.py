@@ -88,12 +88,13 @@ class Sm90FwdTiles:
     # own SMEM buffer so its TMA store overlaps the next tile (in the table for
     # hdim 64 / 128, see ``fwd_tiles``).
     persistent: bool = False
-    # Causal only: a 1-D grid in FA4's longest-processing-time-first order.
-    # Heads are taken in sections of as many as keep their K and V in L2
-    # (``_L2_BYTES``); within a section the query blocks go from the last (the
-    # most KV blocks) to the first, all heads of the section per block. The
-    # hardware hands CTAs out in launch order, so the longest tiles start
-    # first and the short ones fill the tail.
+    # Causal only: FA4's longest-processing-time-first tile order (``lpt_tile``),
+    # the launch order of a 1-D grid or, with persistent, the order in which the
+    # dynamic scheduler hands tiles out. Heads are taken in sections of as many
+    # as keep their K and V in L2 (``_L2_BYTES``); within a section the query
+    # blocks go from the last (the most KV blocks) to the first, all heads of
+    # the section per block, so the longest tiles start first and the short
+    # ones fill the tail.
     lpt: bool = False
 
 
