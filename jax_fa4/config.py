@@ -56,7 +56,7 @@ class AttentionConfig:
 class KernelKey:
     """The compile key of one kernel: a new key means a new cute.compile."""
 
-    kind: str  # "fwd", "bwd_pre", "bwd", "bwd_post"
+    kind: str  # "fwd", "bwd_pre", "bwd", "bwd_det" (deterministic), "bwd_post"
     arch: str  # "sm_90a", "sm_100a"
     dtype: str  # "bfloat16" / "float16"
     head_dim: int

@@ -99,6 +99,12 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
 
     cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
     ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
+    if getattr(kernel_cls, "takes_dq_semaphores", False):
+        # (B, Hq, ceil(Sq / tile_m)) int32 after mdQaccum, aliased to a 4th output.
+        b, sq, _, hq, _ = shape
+        tile_m = kernel_cls(cute_dtype, head_dim, head_dim, causal).tile_m
+        sem = jax.ShapeDtypeStruct((b, hq, -(-sq // tile_m)), jnp.int32)
+        ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
     return lower(
         lambda: kernel_cls(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
         arch, ins, outs, aliases, compile_options,

@@ -172,3 +172,40 @@ def test_bwd_sass(tmp_path, head_dim, causal):
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
     assert "(C75" not in report, report
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
+def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, causal):
+    """FlashBwdSm90Deterministic (a kernel knob, not yet run on a GPU): the dQ warp
+    spins on its query block's semaphore with acquire loads, adds the partials with
+    bulk reduces only after that, waits for them to land (not only to read SMEM),
+    then releases the next key block with a GPU-scope release increment."""
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    text = lower_bwd(FlashBwdSm90Deterministic, "sm_90a", jnp.bfloat16, head_dim, causal,
+                     compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+    assert "custom_call" in text
+    assert re.search(r"tensor<2x4x\d+xi32>", text), "no (B, Hq, num_m) int32 semaphores"
+    with pytest.raises(Exception, match="semaphores"):  # the plain class refuses the knob
+        lower_bwd(lambda *a: FlashBwdSm90(*a, deterministic=True), "sm_90a", jnp.bfloat16,
+                  head_dim, causal)
+    sass_files = glob.glob(str(dump / "*.sass"))
+    if not sass_files:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    lines = [ln.strip() for ln in open(sass_files[0]).read().splitlines()]
+    sass = "\n".join(lines)
+    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+
+    def first(pattern, after=0):
+        return next(i for i, ln in enumerate(lines) if i >= after and re.search(pattern, ln))
+
+    spin = first(r"LDG\.E\.STRONG\.GPU")
+    reduce0 = first(r"UBLKRED\.G\.S\.ADD\.F32", spin)
+    landed = first(r"DEPBAR\.LE SB0, 0x0", reduce0)
+    release = first(r"MEMBAR\.ALL\.GPU", landed)
+    inc = first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
+    assert spin < reduce0 < landed < release < inc
+    assert sass.count("UBLKRED") == 2  # one per warpgroup part, as without the knob

@@ -193,3 +193,30 @@ def test_empty_batch_or_heads_launch_no_kernel(monkeypatch, shape):
     dq, dk, dv = kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch="sm_90a")
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert not jnp.any(dk) and not jnp.any(dv)
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_deterministic_backward_lowers(d, causal):
+    """rules.kernels_cuda.backward(deterministic=True) (not in the public API yet):
+    the main kernel takes one zeroed int32 semaphore per query block; sm_100a and
+    hdim 256 have no deterministic kernel and say so before compiling a backward."""
+    from jax_fa4.config import AttentionConfig
+    from jax_fa4.rules import kernels_cuda
+
+    b, sq, hq = 2, 113, 8
+    cfg = AttentionConfig(scale=d**-0.5, causal=causal)
+
+    def grads(arch):
+        def f(q, k, v):
+            out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch=arch)
+            return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch=arch,
+                                         deterministic=True)
+        return f
+
+    text = _lower(grads("sm_90a"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
+    assert text.count(CALL) == 4
+    tile_m = 64 if d == 128 else 128
+    assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
+    for arch, dd in (("sm_100a", d), ("sm_90a", 256)):
+        with pytest.raises(ValueError, match="deterministic"):
+            _lower(grads(arch), *_structs(b, sq, 203, hq, 2, dd, jnp.bfloat16))

@@ -56,7 +56,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
@@ -168,9 +168,11 @@ class FlashBwdSm90(Sm90BwdCommon):
         causal: bool = False,
         softmax_scale: float | None = None,
         tiles: BwdTiles | None = None,
+        deterministic: bool = False,
     ):
         init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
+        self.deterministic = deterministic
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
@@ -190,6 +192,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         self.wg_m_dq = 1 if self.dq_swap else self.tile_m // 64
         if t.dq_flat and self.dq_swap:
             raise ValueError(f"dq_flat needs tile_m a multiple of 64, got {self.tile_m}")
+        if deterministic and not t.dq_flat:
+            raise ValueError("the deterministic backward orders the flat dQ reduces "
+                             "(BwdTiles.dq_flat)")
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -243,6 +248,18 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
     ):
+        if const_expr(self.deterministic):
+            raise TypeError("the deterministic backward takes the dQ semaphores: call "
+                            "FlashBwdSm90Deterministic")
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None)
+
+    @cute.jit
+    def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
+               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mdQsem: cute.Tensor | None):
+        """The host side of ``__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)) int32,
+        zero at launch, with the deterministic backward, else None."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
@@ -298,7 +315,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV,
+            mdQsem, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
         ).launch(
@@ -322,6 +339,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdQaccum: cute.Tensor,  # (Sq_pad, D, Hq, B) f32: TMA view, or plain if dq_flat
         mdK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
+        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -384,7 +402,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                           pipe_qdo, pipe_kv, n_block, head_kv, batch, group,
                           m_block_min, num_m, num_iters)
             if warp_idx == 1:
-                self.store_dq(mdQaccum, sdQ, tma_dQ, head_kv, batch, group,
+                self.store_dq(mdQaccum, mdQsem, sdQ, tma_dQ, n_block, head_kv, batch, group,
                               m_block_min, num_m, num_iters)
         else:
             cute.arch.setmaxregister_increase(self.tiles.regs_mma)
@@ -394,12 +412,12 @@ class FlashBwdSm90(Sm90BwdCommon):
                      m_block_min, num_m, num_iters)
 
     @cute.jit
-    def store_dq(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min, num_m,
-                 num_iters):
+    def store_dq(self, mdQaccum, mdQsem, sdQ, tma_dQ, n_block, head_kv, batch, group,
+                 m_block_min, num_m, num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
         if const_expr(self.tiles.dq_flat):
-            self.store_dq_flat(mdQaccum, sdQ, head_kv, batch, group, m_block_min, num_m,
-                               num_iters)
+            self.store_dq_flat(mdQaccum, mdQsem, sdQ, n_block, head_kv, batch, group,
+                               m_block_min, num_m, num_iters)
         elif const_expr(not self.tiles.dq_per_wg):
             self.store_dq_joint(mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
                                 num_m, num_iters)
@@ -425,11 +443,19 @@ class FlashBwdSm90(Sm90BwdCommon):
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def store_dq_flat(self, mdQaccum, sdQ, head_kv, batch, group, m_block_min, num_m,
-                      num_iters):
+    def store_dq_flat(self, mdQaccum, mdQsem, sdQ, n_block, head_kv, batch, group,
+                      m_block_min, num_m, num_iters):
         """Warp 1, dq_flat: one 1-D bulk reduce-add per part (per warpgroup with
         dq_per_wg, else the whole tile) from SMEM into the query block's tile_m * d
-        floats of mdQaccum, in flat order (Note [Flat dQ accumulator])."""
+        floats of mdQaccum, in flat order (Note [Flat dQ accumulator]).
+
+        Deterministic: the query block's semaphore counts the key blocks whose
+        partials have landed; this CTA (key block n_block) adds its partial when
+        the count is n_block, waits for the add to complete, then counts itself.
+        Every query block thus sums its partials in key-block order 0, 1, ...
+        (the key blocks that reach a query block are always a prefix: causal
+        masks keep keys j <= i). CTAs wait only on lower block indices, which
+        launch earlier, so the wait cannot deadlock."""
         tm, d = self.tile_m, self.head_dim
         n_parts = self.num_mma_wg if const_expr(self.tiles.dq_per_wg) else 1
         part = tm * d // n_parts
@@ -444,6 +470,16 @@ class FlashBwdSm90(Sm90BwdCommon):
             for w in cutlass.range_constexpr(n_parts):
                 cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
                                          number_of_threads=nthr)
+            sem_ptr = None
+            if const_expr(self.deterministic):
+                sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
+                                                         mdQsem.layout)
+                if lane == 0:
+                    done = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    while done != n_block:
+                        done = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                    # The bulk reduces below (async proxy) come after that acquire.
+                    cute.arch.fence_proxy("async.global")
             for w in cutlass.range_constexpr(n_parts):
                 cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
                 if lane == 0:
@@ -451,7 +487,14 @@ class FlashBwdSm90(Sm90BwdCommon):
                                         part * 4)
                     cute.arch.cp_async_bulk_commit_group()
             if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.deterministic):
+                    # The adds have landed (not only read SMEM); order them before
+                    # the release that lets the next key block add.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         # The reduce-adds must land before the kernel ends.
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -681,3 +724,35 @@ class FlashBwdSm90(Sm90BwdCommon):
             cute.arch.cp_async_bulk_commit_group()
             # SMEM must stay valid until the TMA engine has read it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class FlashBwdSm90Deterministic(FlashBwdSm90):
+    """The deterministic sm90 backward (hdim 64/128, flat dQ): every query block
+    sums its dQ partials in key-block order, so dQ is bitwise reproducible. The
+    call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq /
+    tile_m)) int32, zero at launch (one semaphore per query block). Compiled and
+    SASS-checked; not run on a GPU yet."""
+
+    takes_dq_semaphores = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, deterministic=True, **kwargs)
+
+    @cute.jit
+    def __call__(
+        self,
+        stream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32
+        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
+        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
+        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+    ):
+        if const_expr(mdQsem.element_type != Int32):
+            raise TypeError("the dQ semaphores must be int32")
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)

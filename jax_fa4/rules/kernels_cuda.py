@@ -102,6 +102,11 @@ def _pre_kernel(key: KernelKey):
 
 
 def _bwd_kernel(key: KernelKey):
+    if key.kind == "bwd_det":
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic
+
+        return FlashBwdSm90Deterministic(_cutlass_dtype(key.dtype), key.head_dim,
+                                         key.head_dim_v, key.causal, key.scale)
     if key.arch == "sm_90a" and key.head_dim == 256:
         from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
     elif key.arch == "sm_90a":
@@ -130,8 +135,16 @@ def _post_kernel(key: KernelKey):
                                _flat_dq_tile_m(key.arch, key.head_dim, key.causal))
 
 
-def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str):
-    """(dq, dk, dv) from the three backward kernels."""
+def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str,
+             deterministic: bool = False):
+    """(dq, dk, dv) from the three backward kernels.
+
+    deterministic: the main kernel adds each query block's dQ partials in key-block
+    order through per-block semaphores (``FlashBwdSm90Deterministic``; sm_90a, head
+    dims 64 and 128). Not yet run on a GPU, so the public API does not offer it."""
+    if deterministic and (arch != "sm_90a" or q.shape[-1] not in (64, 128)):
+        raise ValueError("the deterministic backward exists for sm_90a with head dims 64 "
+                         f"and 128, not {arch} with {q.shape[-1]}")
     from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
     b, sq, hq, d = q.shape
@@ -151,20 +164,31 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
         in_static=(_BSHD, _BSHD, _BHS, _BHS),
         out_static=(_BHS, _BHS, _BSHD),
     )
-    main_key = _key("bwd", arch, q, v, config)
+    main_key = _key("bwd_det" if deterministic else "bwd", arch, q, v, config)
+    inputs = (q, k, v, dout, lse_log2, dpsum, dq_accum)
+    outs = (ws_structs[2], jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype))
+    in_static = (_BSHD, _BSHD, _BSHD, _BSHD, _BHS, _BHS, _BSHD)
+    out_static, aliases = (_BSHD, _BSHD, _BSHD), {6: 0}
+    if deterministic:
+        # One zeroed int32 semaphore per query block, updated in place and dropped.
+        from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+        tile_m = bwd_tiles(d, config.causal).tile_m
+        sem = jax.numpy.zeros((b, hq, -(-sq // tile_m)), jax.numpy.int32)
+        inputs, in_static = inputs + (sem,), in_static + (_BHS,)
+        outs, out_static = outs + (jax.ShapeDtypeStruct(sem.shape, sem.dtype),), out_static + (
+            _BHS,)
+        aliases[7] = 3
     dq_accum, dk, dv = kernel_call(
         main_key,
         functools.partial(_bwd_kernel, main_key),
-        (q, k, v, dout, lse_log2, dpsum, dq_accum),
-        (
-            ws_structs[2],
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-        ),
-        in_static=(_BSHD, _BSHD, _BSHD, _BSHD, _BHS, _BHS, _BSHD),
-        out_static=(_BSHD, _BSHD, _BSHD),
-        aliases={6: 0},
-    )
+        inputs,
+        outs,
+        in_static=in_static,
+        out_static=out_static,
+        aliases=aliases,
+    )[:3]
     # The postprocess reads dQaccum in the order the main kernel's tiles wrote it,
     # which its tile table may choose per mask.
     post_key = _key("bwd_post", arch, q, v,
