@@ -34,8 +34,8 @@ if [[ $what == knobs ]]; then
   done
   python scripts/gpu_check_fwd.py --hdim64 --tiles nopers,nolpt --no-check 2>&1 \
     | tee "$out/knob_fwd_d64.log" | tail -7
-  python scripts/gpu_check_fwd.py --hdim256 --tiles nolpt --no-check 2>&1 \
-    | tee "$out/knob_fwd_d256.log" | tail -6
+  python scripts/gpu_check_fwd.py --hdim256 --tiles pers+oq 2>&1 \
+    | tee "$out/knob_fwd_d256.log" | tail -8
   summary+="knob tests: $(tail -1 "$out/knob_tests.log")"$'\n'
   summary+="knob checks: $(grep -h 'correctness:' "$out"/knob_fwd_1k.log)"$'\n'
 fi

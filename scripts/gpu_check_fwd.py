@@ -206,7 +206,7 @@ def main() -> int:
         help="comma-separated tile variants of the timed head dim, each checked (bf16, short "
         "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs; "
         "causal: dynamic tile counter), lpt (longest-first tile order, causal only), "
-        "nopers / nolpt (those off), joined with +",
+        "nopers / nolpt (those off), oq (persistent O in the Q buffer), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -253,7 +253,7 @@ def main() -> int:
         variants = [("wg2", wg2)]
     d_var = 64 if args.hdim64 else d_main
     knobs = {"pers": ("persistent", True), "nopers": ("persistent", False),
-             "lpt": ("lpt", True), "nolpt": ("lpt", False)}
+             "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False)}
 
     def tile_variant(spec):
         over = {}

@@ -198,6 +198,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     "lpt": (True, {"lpt": True, "persistent": False}),
     "dynamic": (True, {"persistent": True, "lpt": False}),
     "dynamic_lpt": (True, {"persistent": True, "lpt": True}),
+    # hdim 256: persistent CTAs with O in the Q buffer (no SMEM for a separate one).
+    "persistent_o_in_q": (False, {"persistent": True, "separate_o": False}),
+    "dynamic_o_in_q": (True, {"persistent": True, "separate_o": False}),
 }
 
 
@@ -210,6 +213,8 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("dynamic", (1, 1, 1, 1, 1), 128), ("dynamic", (2, 113, 203, 4, 4), 128),
     ("dynamic", (3, 3000, 3000, 8, 2), 128), ("dynamic", (2, 2000, 1999, 6, 2), 64),
     ("dynamic_lpt", (3, 3000, 3000, 8, 2), 128), ("dynamic_lpt", (2, 4000, 4000, 6, 2), 64),
+    ("persistent_o_in_q", (2, 3000, 2999, 8, 2), 256), ("persistent_o_in_q", (1, 1, 1, 1, 1), 256),
+    ("dynamic_o_in_q", (2, 3000, 3000, 8, 2), 256), ("dynamic_o_in_q", (1, 130, 200, 3, 1), 256),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -220,7 +225,9 @@ def test_forward_tile_order_knobs(knob, shape, d):
     sections of heads): one section holding all heads (64 at 700 tokens), and at
     20000 tokens sections of 4 heads with one head left over. dynamic (causal
     persistent CTAs taking tiles from a zeroed global counter, per-head or LPT
-    order): 576 and 504 tiles over 132 CTAs, GQA, Sq != Sk, one tile."""
+    order): 576 and 504 tiles over 132 CTAs, GQA, Sq != Sk, one tile. *_o_in_q
+    (hdim 256, not yet run): persistent CTAs whose O leaves through the Q buffer,
+    384 tiles, so the next tile's Q must wait for the O store."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90
@@ -231,7 +238,7 @@ def test_forward_tile_order_knobs(knob, shape, d):
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **over)
     kernel = make_fwd_sm90(dtype, d, d, causal, tiles=tiles)
     dynamic = isinstance(kernel, FlashFwdSm90Dynamic)
-    assert dynamic == (knob.startswith("dynamic"))
+    assert dynamic == knob.startswith("dynamic")
     spec = TensorSpec(divisibility=(1, 1, 1, d))
     lse_spec = TensorSpec(divisibility=(1, 1, 1))
     one = TensorSpec(divisibility=(1,))

@@ -88,6 +88,11 @@ class Sm90FwdTiles:
     # own SMEM buffer so its TMA store overlaps the next tile (in the table for
     # hdim 64 / 128, see ``fwd_tiles``).
     persistent: bool = False
+    # Persistent only: O gets its own SMEM buffer (above). False keeps O in the Q
+    # buffer, for hdim 256, where a separate buffer does not fit: Q is then
+    # released only once the tile's O store has read it, so the next tile's Q
+    # load waits for the epilogue (its first K/V loads still overlap it).
+    separate_o: bool = True
     # Causal only: FA4's longest-processing-time-first tile order (``lpt_tile``),
     # the launch order of a 1-D grid or, with persistent, the order in which the
     # dynamic scheduler hands tiles out. Heads are taken in sections of as many
@@ -283,6 +288,8 @@ class FlashFwdSm90:
         # Causal tiles differ in cost: persistent CTAs take them from a global
         # counter (the call's extra operand, see FlashFwdSm90Dynamic).
         self.dynamic = self.persistent and causal
+        # O in its own SMEM buffer (persistent), else in the Q buffer.
+        self.own_o = self.persistent and t.separate_o
         self.num_sms = _num_sms() if self.persistent else 0
         if t.lpt and not causal:
             raise ValueError("the LPT tile order serves the causal forward only")
@@ -377,7 +384,7 @@ class FlashFwdSm90:
         # O reuses the Q buffer (Q is dead once the last S = Q K^T finished), except
         # in persistent CTAs, where the next tile's Q loads while O is stored.
         q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
-        o_elems = cute.cosize(sO_layout) if cutlass.const_expr(self.persistent) else 0
+        o_elems = cute.cosize(sO_layout) if cutlass.const_expr(self.own_o) else 0
 
         @cute.struct
         class SharedStorage:
@@ -489,7 +496,7 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        if cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.own_o):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -925,7 +932,7 @@ class FlashFwdSm90:
                     pipe_v,
                     mask_causal=False,
                 )
-            if cutlass.const_expr(self.persistent):
+            if cutlass.const_expr(self.own_o):
                 # Every S = Q K^T of this tile is done: the next tile's Q may load.
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
@@ -987,7 +994,7 @@ class FlashFwdSm90:
                     mask_causal=False,
                 )
 
-            if cutlass.const_expr(self.persistent):
+            if cutlass.const_expr(self.own_o):
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
 
@@ -996,6 +1003,12 @@ class FlashFwdSm90:
         self.epilogue(
             acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q
         )
+        if cutlass.const_expr(self.persistent and not self.own_o):
+            # O went out through the Q buffer: once the store has read it (waited
+            # for in the epilogue), the next tile's Q may load.
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
         return q_state, state
 
     @cute.jit
@@ -1093,7 +1106,7 @@ class FlashFwdSm90:
     ):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if cutlass.const_expr(self.persistent):  # noqa: SIM102
+        if cutlass.const_expr(self.own_o):  # noqa: SIM102
             # sO is free once the previous tile's O store has read it.
             if tidx == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1121,7 +1134,7 @@ class FlashFwdSm90:
             )
             tma_store_tile(tma_atom_O, sO, gO)
             cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(not self.persistent):
+            if cutlass.const_expr(not self.own_o):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
