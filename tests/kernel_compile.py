@@ -125,5 +125,16 @@ def read_dump(folder: pathlib.Path, ext: str) -> str | None:
         return f.read()
 
 
+def dumped_sass(folder: pathlib.Path) -> str:
+    """The SASS the DSL dumped to ``folder``; skips the test when it wrote none
+    (it writes SASS only when it finds nvdisasm, pip nvidia-cuda-nvdisasm)."""
+    import pytest
+
+    sass = read_dump(folder, "sass")
+    if sass is None:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    return sass
+
+
 def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))

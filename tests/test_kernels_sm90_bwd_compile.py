@@ -16,7 +16,7 @@ import subprocess
 
 import jax.numpy as jnp
 import pytest
-from kernel_compile import bwd_structs, lower, lower_bwd
+from kernel_compile import bwd_structs, dump_options, dumped_sass, lower, lower_bwd
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -127,12 +127,8 @@ def test_bwd_rejects_unsupported_head_dim():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bwd_sass(tmp_path, head_dim, causal):
-    _lower_bwd(jnp.bfloat16, head_dim, causal,
-               compile_options=f"--keep-ptx --keep-sass --dump-dir={tmp_path}")
-    sass_files = glob.glob(str(tmp_path / "*.sass"))
-    if not sass_files:
-        pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
-    sass = open(sass_files[0]).read()
+    _lower_bwd(jnp.bfloat16, head_dim, causal, compile_options=dump_options(tmp_path))
+    sass = dumped_sass(tmp_path)
     assert "HGMMA" in sass, "wgmma missing: the GEMMs fell back to a slower path"
     assert "USETMAXREG" in sass, "setmaxnreg was dropped"
     spills = sum(line.count("LDL") + line.count("STL") for line in sass.splitlines())
@@ -184,18 +180,14 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic
 
     dump = tmp_path / "dump"
-    dump.mkdir()
     text = lower_bwd(FlashBwdSm90Deterministic, "sm_90a", jnp.bfloat16, head_dim, causal,
-                     compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+                     compile_options=dump_options(dump))
     assert "custom_call" in text
     assert re.search(r"tensor<2x4x\d+xi32>", text), "no (B, Hq, num_m) int32 semaphores"
     with pytest.raises(Exception, match="semaphores"):  # the plain class refuses the knob
         lower_bwd(lambda *a: FlashBwdSm90(*a, deterministic=True), "sm_90a", jnp.bfloat16,
                   head_dim, causal)
-    sass_files = glob.glob(str(dump / "*.sass"))
-    if not sass_files:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    lines = [ln.strip() for ln in open(sass_files[0]).read().splitlines()]
+    lines = [ln.strip() for ln in dumped_sass(dump).splitlines()]
     sass = "\n".join(lines)
     assert "LDL" not in sass and "STL" not in sass, "local memory spill"
 

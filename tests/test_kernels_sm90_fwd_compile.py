@@ -20,7 +20,13 @@ cutlass_jax = pytest.importorskip("cutlass.jax")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from kernel_compile import fwd_structs, lower, lower_fwd_sm90  # noqa: E402
+from kernel_compile import (  # noqa: E402
+    dump_options,
+    dumped_sass,
+    fwd_structs,
+    lower,
+    lower_fwd_sm90,
+)
 
 from jax_fa4.kernels.sm90_fwd import FlashFwdSm90, fwd_tiles  # noqa: E402
 
@@ -60,13 +66,8 @@ def test_fwd_odd_shapes_lower(d):
 def test_fwd_sass_uses_wgmma(tmp_path, d, causal):
     # The DSL writes SASS only when it finds nvdisasm (pip nvidia-cuda-nvdisasm).
     dump = tmp_path / "dump"
-    dump.mkdir()
-    _lower(jnp.bfloat16, d, causal, compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
-    sass_files = glob.glob(str(dump / "*.sass"))
-    if not sass_files:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    with open(sass_files[0]) as f:
-        sass = f.read()
+    _lower(jnp.bfloat16, d, causal, compile_options=dump_options(dump))
+    sass = dumped_sass(dump)
     # S = Q K^T is 64 x tile_n per warpgroup, O += P V is 64 x d.
     tile_n = fwd_tiles(d, d, causal).tile_n
     assert f"HGMMA.64x{tile_n}x16.F32.BF16" in sass
@@ -107,15 +108,11 @@ def test_fwd_persistent_knob_compiles(tmp_path, d):
     tiles = dataclasses.replace(fwd_tiles(d, d, False), persistent=True)
     ins, outs = fwd_structs(2, 113, 203, 8, 2, d, jnp.bfloat16)
     dump = tmp_path / "dump"
-    dump.mkdir()
     text = lower(lambda: FlashFwdSm90(jnp.bfloat16, d, d, False, tiles=tiles), "sm_90a", ins,
-                 outs, compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+                 outs, compile_options=dump_options(dump))
     assert "custom_call" in text
-    sass_files = glob.glob(str(dump / "*.sass"))
-    if not sass_files:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    lines = open(sass_files[0]).read().splitlines()
-    sass = "\n".join(lines)
+    sass = dumped_sass(dump)
+    lines = sass.splitlines()
     assert "LDL" not in sass and "STL" not in sass, "local memory spill"
     store = max(i for i, ln in enumerate(lines) if "UTMASTG" in ln)
     epi_bar = [i for i, ln in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x1," in ln]
@@ -164,14 +161,10 @@ def test_fwd_dynamic_scheduler_compiles(tmp_path, d, lpt):
 
     tiles = dataclasses.replace(fwd_tiles(d, d, True), persistent=True, lpt=lpt)
     dump = tmp_path / "dump"
-    dump.mkdir()
     text = lower_fwd_sm90(jnp.bfloat16, d, True, tiles=tiles,
-                          compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+                          compile_options=dump_options(dump))
     assert "custom_call" in text
-    sass_files = glob.glob(str(dump / "*.sass"))
-    if not sass_files:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    sass = open(sass_files[0]).read()
+    sass = dumped_sass(dump)
     assert sass.count("ATOMG.E.ADD") == 1, "one claim site in the load warp"
     assert "LDL" not in sass and "STL" not in sass, "local memory spill"
     assert f"HGMMA.64x{d}x16.F32.BF16" in sass
@@ -235,16 +228,12 @@ def test_fwd_lpt_knob_compiles(tmp_path, d):
     tiles = dataclasses.replace(fwd_tiles(d, d, True), lpt=True, persistent=False)
     ins, outs = fwd_structs(2, 113, 203, 8, 2, d, jnp.bfloat16)
     dump = tmp_path / "dump"
-    dump.mkdir()
     text = lower(lambda: FlashFwdSm90(jnp.bfloat16, d, d, True, tiles=tiles), "sm_90a", ins,
-                 outs, compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+                 outs, compile_options=dump_options(dump))
     assert "custom_call" in text
     with pytest.raises(ValueError, match="causal forward only"):
         FlashFwdSm90(jnp.bfloat16, d, d, False, tiles=tiles)
-    sass_files = glob.glob(str(dump / "*.sass"))
-    if not sass_files:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    sass = open(sass_files[0]).read()
+    sass = dumped_sass(dump)
     assert "LDL" not in sass and "STL" not in sass, "local memory spill"
     assert f"HGMMA.64x{fwd_tiles(d, d, True).tile_n}x16.F32.BF16" in sass
 
@@ -260,15 +249,11 @@ def test_fwd_hdim256_persistent_o_in_q_compiles(tmp_path, causal):
     tiles = dataclasses.replace(fwd_tiles(256, 256, causal), persistent=True,
                                 separate_o=False)
     dump = tmp_path / "dump"
-    dump.mkdir()
     text = lower_fwd_sm90(jnp.bfloat16, 256, causal, tiles=tiles,
-                          compile_options=f"--keep-ptx --keep-sass --dump-dir={dump}")
+                          compile_options=dump_options(dump))
     assert "custom_call" in text
-    sass_files = glob.glob(str(dump / "*.sass"))
-    if not sass_files:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    lines = open(sass_files[0]).read().splitlines()
-    sass = "\n".join(lines)
+    sass = dumped_sass(dump)
+    lines = sass.splitlines()
     assert "LDL" not in sass and "STL" not in sass, "local memory spill"
     assert sass.count("ATOMG.E.ADD") == (1 if causal else 0)
     store = max(i for i, ln in enumerate(lines) if "UTMASTG" in ln)
