@@ -14,7 +14,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import reference
-from jax_fa4.config import IMPLEMENTATIONS, AttentionConfig, any_kernel_support_error
+from jax_fa4.config import (
+    DETERMINISTIC_BWD_HEAD_DIMS,
+    IMPLEMENTATIONS,
+    AttentionConfig,
+    any_kernel_support_error,
+    deterministic_bwd_support_error,
+)
 from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p, log_once
 
 
@@ -115,6 +121,7 @@ def attention(
     causal: bool = False,
     return_lse: bool = False,
     implementation: str | None = None,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-4 kernels).
 
@@ -129,6 +136,12 @@ def attention(
       implementation: None = the CuTe DSL kernel where one exists for the
         device, dtype and head dims, else the reference path (logged once);
         "cute" = the kernel or a clear error; "reference" = pure JAX.
+      deterministic: make the backward bitwise reproducible. The default
+        backward adds the dQ partials of its key blocks in whatever order they
+        finish; this one adds them in key-block order (sm_90a, head dims 64 and
+        128; slower, see docs/performance.md). Where no deterministic kernel
+        exists the backward runs the reference path (logged once), or raises
+        with ``implementation="cute"``. The forward is deterministic either way.
 
     Returns:
       ``out [B, Sq, Hq, Dv]`` in the input dtype; with ``return_lse``,
@@ -138,8 +151,16 @@ def attention(
     _check_qkv(query, key, value)
     head_dim, head_dim_v = int(query.shape[-1]), int(value.shape[-1])
     _check_implementation(implementation, query.dtype, head_dim, head_dim_v)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a Python bool, got {type(deterministic).__name__}")
+    if deterministic and implementation == "cute":
+        errs = [deterministic_bwd_support_error(a, head_dim, head_dim_v)
+                for a in DETERMINISTIC_BWD_HEAD_DIMS]
+        if all(errs):
+            raise ValueError(f"jax_fa4: implementation='cute' and deterministic=True but {errs[0]}")
     config = AttentionConfig(
-        scale=_resolve_scale(scale, head_dim), causal=bool(causal), implementation=implementation
+        scale=_resolve_scale(scale, head_dim), causal=bool(causal), implementation=implementation,
+        deterministic=deterministic,
     )
     unbatched = query.ndim == 3
     if unbatched:

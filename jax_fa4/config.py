@@ -39,11 +39,14 @@ class AttentionConfig:
       causal: top-left causal masking (query i sees key j iff j <= i).
       implementation: None (kernel where supported, else the logged reference
         path), "cute" (kernel or error) or "reference".
+      deterministic: a backward whose gradients are bitwise reproducible (each
+        query block's dQ partials are added in a fixed key-block order).
     """
 
     scale: float
     causal: bool
     implementation: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
@@ -82,6 +85,20 @@ def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> st
             f"(supported: {dims})"
         )
     return None
+
+
+# The (head dim, head dim v) pairs with a deterministic backward kernel, per arch.
+DETERMINISTIC_BWD_HEAD_DIMS = {"sm_90a": ((64, 64), (128, 128))}
+
+
+def deterministic_bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:
+    """Why no deterministic backward kernel of ``arch`` takes these head dims, or None."""
+    dims = DETERMINISTIC_BWD_HEAD_DIMS.get(arch, ())
+    if (head_dim, head_dim_v) in dims:
+        return None
+    have = ", ".join(f"{d}" for d, _ in dims) or "none"
+    return (f"no deterministic backward kernel for head dims ({head_dim}, {head_dim_v}) "
+            f"on {arch} (head dims with one: {have})")
 
 
 def any_kernel_support_error(dtype, head_dim: int, head_dim_v: int) -> str | None:

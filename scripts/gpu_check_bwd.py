@@ -63,6 +63,10 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dv_before_ds=knob == "dvearly")
         elif knob in ("flat", "tma"):  # dQ: flat order + bulk reduce / TMA tensor reduce
             tiles = dataclasses.replace(tiles, dq_flat=knob == "flat")
+        elif knob in ("lse", "nolse"):  # LSElog2 loaded before S^T is issued / after dP^T
+            tiles = dataclasses.replace(tiles, lse_early=knob == "lse")
+        elif knob in ("dps", "nodps"):  # Dpsum loaded before / after the dP^T wait
+            tiles = dataclasses.replace(tiles, dpsum_early=knob == "dps")
         elif knob != "default":
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -272,7 +276,9 @@ def main():
                          "s2, s3 (Q/dO stages), pwg / joint (dQ hand-off per warpgroup "
                          "/ joint), dvlate / dvearly (dV GEMM issued after / before dS^T), "
                          "flat / tma (dQ in flat order by bulk reduce / row-major by TMA "
-                         "tensor reduce), combined with +, e.g. m80+pwg")
+                         "tensor reduce), lse / nolse (LSElog2 loaded before S^T / after "
+                         "dP^T), dps / nodps (Dpsum loaded before / after the dP^T wait), "
+                         "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

@@ -9,6 +9,7 @@
 # with scripts/ncu_source.py) and a few raw metrics (.metrics.csv). The device
 # returns only a handful of files per call, so everything except the reports is
 # packed into $OUT/ncu_d<hdim>_s<seqlen>.tar.xz (the reports stay in $NCU_DIR).
+# The forward kernel instead: KERNEL_RE='(?i)fwd|forward' LAUNCHES=1 PREFIX=ncufwd.
 set -uo pipefail
 d=${1:-128}; s=${2:-4096}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
 final=${OUT:-/tmp/jax_fa4_out}; mkdir -p "$final"
@@ -16,10 +17,10 @@ out=${NCU_DIR:-/tmp/ncu_reports}; mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 for impl in $impls; do
   for c in $causals; do
-    tag="ncu_${impl}_d${d}_s${s}_c${c}"
+    tag="${PREFIX:-ncu}_${impl}_d${d}_s${s}_c${c}"
     flag=""; [[ $c == 1 ]] && flag="--causal"
     timeout "${NCU_TIMEOUT:-240}" ncu --set full --import-source no \
-      --kernel-name 'regex:(?i)bwd' --launch-count 3 -f -o "$out/$tag" \
+      --kernel-name "regex:${KERNEL_RE:-(?i)bwd}" --launch-count "${LAUNCHES:-3}" -f -o "$out/$tag" \
       python scripts/profile_bwd.py --impl "$impl" --hdim "$d" --seqlen "$s" --warmup 0 $flag \
       > "$out/$tag.log" 2>&1 || { echo "$tag: ncu failed"; tail -5 "$out/$tag.log"; continue; }
     ncu --import "$out/$tag.ncu-rep" --page details > "$out/$tag.txt" 2>&1
@@ -31,5 +32,5 @@ for impl in $impls; do
     echo "== $tag"
   done
 done
-(cd "$out" && tar cJf "$final/ncu_d${d}_s${s}.tar.xz" ./*.txt ./*.csv ./*.log) \
-  && echo "packed: $final/ncu_d${d}_s${s}.tar.xz"
+(cd "$out" && tar cJf "$final/${PREFIX:-ncu}_d${d}_s${s}.tar.xz" ./*.txt ./*.csv ./*.log) \
+  && echo "packed: $final/${PREFIX:-ncu}_d${d}_s${s}.tar.xz"

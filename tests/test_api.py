@@ -63,6 +63,31 @@ def test_unsupported_head_dim_with_cute_raises():
         jax_fa4.attention(q, q, q, implementation="cute")
 
 
+def test_deterministic_argument_checks():
+    """deterministic must be a bool; with implementation="cute" a head dim that no
+    architecture has a deterministic backward for is refused at the call."""
+    q = jnp.ones((1, 4, 2, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="deterministic"):
+        jax_fa4.attention(q, q, q, deterministic=1)
+    q256 = jnp.ones((1, 4, 2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="deterministic backward"):
+        jax_fa4.attention(q256, q256, q256, implementation="cute", deterministic=True)
+
+
+def test_deterministic_reference_gradients_match_default():
+    """On the reference path deterministic=True changes nothing: same gradients."""
+    q, k, v = rand_qkv(5, 2, 33, 40, 4, 2, 32, dtype=jnp.float32)
+
+    def grads(det):
+        loss = lambda q, k, v: jnp.sum(jax_fa4.attention(  # noqa: E731
+            q, k, v, causal=True, implementation="reference", deterministic=det) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for a, b in zip(grads(False), grads(True)):
+        assert float(jnp.max(jnp.abs(a))) > 0
+        assert bool(jnp.all(a == b))
+
+
 def test_bad_scale_and_implementation():
     q = jnp.ones((1, 4, 2, 16), jnp.float32)
     with pytest.raises(ValueError, match="scale"):

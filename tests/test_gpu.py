@@ -102,25 +102,27 @@ def test_backward(case, causal, dtype):
 @pytest.mark.parametrize("shape,d,causal", [
     ((2, 1000, 1000, 8, 2), 128, True), ((1, 2000, 1999, 4, 4), 128, False),
     ((2, 777, 1500, 6, 2), 64, True), ((1, 1, 1, 1, 1), 64, False),
+    ((1, 4096, 4096, 4, 4), 128, True), ((1, 3000, 3000, 4, 2), 64, False),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_deterministic(shape, d, causal):
-    """The deterministic backward (rules-level knob, not in the public API until
-    this passes): dQ, dK and dV bitwise equal over three runs, and within the 2x
-    rule of the f32 reference. A hang here is the semaphore order failing."""
-    from jax_fa4.config import AttentionConfig
-    from jax_fa4.rules import kernels_cuda
-
+    """attention(deterministic=True): dQ, dK and dV bitwise equal over three runs,
+    and within the 2x rule of the f32 reference; the lowered step carries the
+    deterministic kernel's int32 semaphores. A hang here is the semaphore order
+    failing."""
     b, sq, sk, hq, hkv = shape
     q, k, v = rand_qkv(sq + 3 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 1, b, sq, hq, d)
-    cfg = AttentionConfig(scale=d**-0.5, causal=causal)
 
     @jax.jit
     def grads(q, k, v, dout, dlse):
-        out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
-        return kernels_cuda.backward(q, k, v, out, lse, dout.astype(out.dtype), dlse,
-                                     config=cfg, arch="sm_90a", deterministic=True)
+        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, return_lse=True, implementation="cute",
+            deterministic=True), q, k, v)
+        return pullback((dout.astype(out.dtype), dlse))
 
+    tile_m = 64 if d == 128 else 128
+    hlo = grads.lower(q, k, v, dout, dlse).as_text()
+    assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in hlo
     with poison_outputs():
         runs = [jax.block_until_ready(grads(q, k, v, dout, dlse)) for _ in range(3)]
     for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):

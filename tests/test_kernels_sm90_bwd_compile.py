@@ -173,7 +173,7 @@ def test_bwd_sass(tmp_path, head_dim, causal):
 @needs_cutlass
 @pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
 def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, causal):
-    """FlashBwdSm90Deterministic (a kernel knob, not yet run on a GPU): the dQ warp
+    """FlashBwdSm90Deterministic (behind attention(deterministic=True)): the dQ warp
     spins on its query block's semaphore with acquire loads, adds the partials with
     bulk reduces only after that, waits for them to land (not only to read SMEM),
     then releases the next key block with a GPU-scope release increment."""
@@ -201,3 +201,33 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
     inc = first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
     assert spin < reduce0 < landed < release < inc
     assert sass.count("UBLKRED") == 2  # one per warpgroup part, as without the knob
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (1000, 1000), (4096, 4096), (777, 1500),
+                                   (2000, 129)])
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_deterministic_order_is_a_deadlock_free_permutation(causal, sq, sk, tile_m):
+    """The deterministic backward's order (det_key_block, det_add_rank, the
+    functions the kernel calls): for every query block the key blocks reaching it
+    take ranks 0..count-1 exactly once, so every spin ends and every partial is
+    added once; a CTA waits (rank > 0) only on the key block one rank earlier,
+    which launches earlier (lower blockIdx.x); and, causal, that block reached the
+    query block in fewer steps of its own walk, so it is not behind."""
+    from jax_fa4.kernels.sm90_bwd import det_add_rank, det_key_block
+
+    tile_n = 128
+    num_n, num_m = -(-sk // tile_n), -(-sq // tile_m)
+    launch = {det_key_block(x, num_n, causal): x for x in range(num_n)}
+    assert sorted(launch) == list(range(num_n))
+    for m in range(num_m):
+        # Key blocks with a key that some query of block m sees (top-left causal).
+        reach = [n for n in range(num_n)
+                 if not causal or n * tile_n <= (m + 1) * tile_m - 1]
+        ranks = {det_add_rank(m, n, num_n, tile_m, tile_n, causal): n for n in reach}
+        assert sorted(ranks) == list(range(len(reach))), (m, ranks)
+        for r in range(1, len(reach)):
+            n, prev = ranks[r], ranks[r - 1]
+            assert launch[prev] < launch[n]
+            if causal:  # steps into its walk (which starts at n * tile_n // tile_m)
+                assert m - prev * tile_n // tile_m <= m - n * tile_n // tile_m

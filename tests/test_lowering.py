@@ -196,21 +196,54 @@ def test_empty_batch_or_heads_launch_no_kernel(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
+    """attention(deterministic=True): on sm_90a the step's main backward kernel is
+    the deterministic one (its int32 semaphores appear); where no deterministic
+    kernel exists (sm_100a, hdim 256) only the backward takes the reference path,
+    logged, and implementation="cute" raises instead."""
+    from jax_fa4.rules import primitives
+
+    def step(impl):
+        def loss(q, k, v):
+            out = jax_fa4.attention(q, k, v, causal=causal, implementation=impl,
+                                    deterministic=True)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    b, sq, hq = 2, 113, 8
+    tile_m = 64 if d == 128 else 128
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    text = _lower(step("cute"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
+    assert text.count(CALL) == 4
+    assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
+    for arch, dd in (("sm_100a", d), ("sm_90a", 256)):
+        monkeypatch.setenv("JAX_FA4_ARCH", arch)
+        structs = _structs(b, sq, 203, hq, 2, dd, jnp.bfloat16)
+        primitives._logged.clear()
+        with caplog.at_level("WARNING", logger="jax_fa4"):
+            text = _lower(step(None), *structs)
+        assert text.count(CALL) == 1  # the forward kernel; the backward is pure JAX
+        assert any("deterministic backward" in r.getMessage() for r in caplog.records)
+        # sm_100a at lowering (KernelUnavailableError); hdim 256 already at the call.
+        with pytest.raises(ValueError, match="deterministic"):
+            _lower(step("cute"), *structs)
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_deterministic_backward_lowers(d, causal):
-    """rules.kernels_cuda.backward(deterministic=True) (not in the public API yet):
-    the main kernel takes one zeroed int32 semaphore per query block; sm_100a and
-    hdim 256 have no deterministic kernel and say so before compiling a backward."""
+    """rules.kernels_cuda.backward with config.deterministic: the main kernel takes
+    one zeroed int32 semaphore per query block; sm_100a and hdim 256 have no
+    deterministic kernel and say so before compiling a backward."""
     from jax_fa4.config import AttentionConfig
     from jax_fa4.rules import kernels_cuda
 
     b, sq, hq = 2, 113, 8
-    cfg = AttentionConfig(scale=d**-0.5, causal=causal)
+    cfg = AttentionConfig(scale=d**-0.5, causal=causal, deterministic=True)
 
     def grads(arch):
         def f(q, k, v):
             out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch=arch)
-            return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch=arch,
-                                         deterministic=True)
+            return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch=arch)
         return f
 
     text = _lower(grads("sm_90a"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))

@@ -107,20 +107,28 @@ class BwdTiles:
     # which the postprocess reads back. Else a row-major swizzled tile and a TMA
     # tensor reduce (row-major dQaccum). Needs tile_m a multiple of 64.
     dq_flat: bool = False
+    # This thread's LSElog2 values load before S^T is issued instead of after dP^T
+    # is (with 16 columns only). Loaded after, the loads queue behind the GEMMs'
+    # shared-memory reads and the exp2 argument waits for them (ncu: 13% of the
+    # stall samples at hdim 128); flash-attn-4 loads them around its S GEMM.
+    lse_early: bool = False
+    # Each column's Dpsum loads into registers before the wait for dP^T, not after.
+    dpsum_early: bool = False
 
 
-# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat).
+# The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
+# lse_early, dpsum_early).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10%, issuing dV
 # after dS^T measured the same or 1% faster, and the flat dQ order gained 4% (non-
 # causal) / 8% (causal); at hdim 64 issuing dV after dS^T removed the wgmma
 # serialisation (+21%), the per-warpgroup hand-off then gained 2-5%, and the flat
-# dQ order measured level (+0.5%).
+# dQ order measured level (+0.5%). lse_early / dpsum_early: "v5" in the log.
 _TILE_TABLE = {
-    (64, False): (128, True, False, True),
-    (64, True): (128, True, False, True),
-    (128, False): (64, True, False, True),
-    (128, True): (64, True, False, True),
+    (64, False): (128, True, False, True, False, False),
+    (64, True): (128, True, False, True, False, False),
+    (128, False): (64, True, False, True, True, True),
+    (128, True): (64, True, False, True, True, True),
 }
 
 
@@ -135,9 +143,33 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
-    tile_m, dq_per_wg, dv_before_ds, dq_flat = _TILE_TABLE[(head_dim, bool(causal))]
+    tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early = _TILE_TABLE[
+        (head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
-                    dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat)
+                    dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
+                    lse_early=lse_early, dpsum_early=dpsum_early)
+
+
+def det_key_block(block, num_n_blocks, causal: bool):
+    """The key block that CTA ``block`` (blockIdx.x) of the deterministic backward
+    runs: the block itself, or causal, in reverse (see ``det_add_rank``)."""
+    return num_n_blocks - 1 - block if causal else block
+
+
+def det_add_rank(m_block, n_block, num_n_blocks, tile_m: int, tile_n: int, causal: bool,
+                 minimum=min):
+    """The place of key block ``n_block``'s dQ partial in query block ``m_block``'s
+    sum in the deterministic backward, for plain ints (tests) and DSL integers
+    (``minimum`` = cutlass.min) alike. The key blocks reaching a query block are
+    0..last (top-left causal keeps key j <= query i). Non-causal the order is 0, 1,
+    ..., last; causal it is last, ..., 0: key block n starts at query block
+    n * tile_n // tile_m, after its successors, so in ascending order each would
+    wait for its predecessor to catch up (half the default's speed on the H200),
+    while in descending order the block it waits for got there first."""
+    if not causal:
+        return n_block
+    last = minimum(((m_block + 1) * tile_m - 1) // tile_n, num_n_blocks - 1)
+    return last - n_block
 
 
 def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
@@ -367,6 +399,11 @@ class FlashBwdSm90(Sm90BwdCommon):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        if const_expr(self.deterministic):
+            # Causal, key blocks launch last first: each waits only on higher key
+            # blocks (store_dq_flat), which have then launched before it.
+            n_block = det_key_block(n_block, num_n_blocks, self.causal)
 
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV):
@@ -402,8 +439,8 @@ class FlashBwdSm90(Sm90BwdCommon):
                           pipe_qdo, pipe_kv, n_block, head_kv, batch, group,
                           m_block_min, num_m, num_iters)
             if warp_idx == 1:
-                self.store_dq(mdQaccum, mdQsem, sdQ, tma_dQ, n_block, head_kv, batch, group,
-                              m_block_min, num_m, num_iters)
+                self.store_dq(mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks, head_kv,
+                              batch, group, m_block_min, num_m, num_iters)
         else:
             cute.arch.setmaxregister_increase(self.tiles.regs_mma)
             self.mma(mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
@@ -412,12 +449,12 @@ class FlashBwdSm90(Sm90BwdCommon):
                      m_block_min, num_m, num_iters)
 
     @cute.jit
-    def store_dq(self, mdQaccum, mdQsem, sdQ, tma_dQ, n_block, head_kv, batch, group,
-                 m_block_min, num_m, num_iters):
+    def store_dq(self, mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks, head_kv, batch,
+                 group, m_block_min, num_m, num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
         if const_expr(self.tiles.dq_flat):
-            self.store_dq_flat(mdQaccum, mdQsem, sdQ, n_block, head_kv, batch, group,
-                               m_block_min, num_m, num_iters)
+            self.store_dq_flat(mdQaccum, mdQsem, sdQ, n_block, num_n_blocks, head_kv, batch,
+                               group, m_block_min, num_m, num_iters)
         elif const_expr(not self.tiles.dq_per_wg):
             self.store_dq_joint(mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
                                 num_m, num_iters)
@@ -443,19 +480,18 @@ class FlashBwdSm90(Sm90BwdCommon):
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def store_dq_flat(self, mdQaccum, mdQsem, sdQ, n_block, head_kv, batch, group,
-                      m_block_min, num_m, num_iters):
+    def store_dq_flat(self, mdQaccum, mdQsem, sdQ, n_block, num_n_blocks, head_kv, batch,
+                      group, m_block_min, num_m, num_iters):
         """Warp 1, dq_flat: one 1-D bulk reduce-add per part (per warpgroup with
         dq_per_wg, else the whole tile) from SMEM into the query block's tile_m * d
         floats of mdQaccum, in flat order (Note [Flat dQ accumulator]).
 
         Deterministic: the query block's semaphore counts the key blocks whose
-        partials have landed; this CTA (key block n_block) adds its partial when
-        the count is n_block, waits for the add to complete, then counts itself.
-        Every query block thus sums its partials in key-block order 0, 1, ...
-        (the key blocks that reach a query block are always a prefix: causal
-        masks keep keys j <= i). CTAs wait only on lower block indices, which
-        launch earlier, so the wait cannot deadlock."""
+        partials have landed; this CTA adds its partial when the count reaches its
+        rank (``det_add_rank``: ascending key blocks, causal descending), waits for
+        the add to complete, then counts itself. CTAs wait only on blocks that
+        launch earlier (``det_key_block``: the causal grid runs the key blocks in
+        reverse), so the wait cannot deadlock."""
         tm, d = self.tile_m, self.head_dim
         n_parts = self.num_mma_wg if const_expr(self.tiles.dq_per_wg) else 1
         part = tm * d // n_parts
@@ -474,9 +510,11 @@ class FlashBwdSm90(Sm90BwdCommon):
             if const_expr(self.deterministic):
                 sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
                                                          mdQsem.layout)
+                rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
+                                    self.causal, cutlass.min)
                 if lane == 0:
                     done = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while done != n_block:
+                    while done != rank:
                         done = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
                     # The bulk reduces below (async proxy) come after that acquire.
                     cute.arch.fence_proxy("async.global")
@@ -601,16 +639,19 @@ class FlashBwdSm90(Sm90BwdCommon):
             buf = it % 2
 
             pipe_qdo.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
-            wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
-            wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
-            # This thread's LSElog2 values (one per column) load while the GEMMs run:
+            # This thread's LSElog2 values (one per column) load before the exp2s:
             # read at first use, their latency stalled the exp2 argument (ncu). Only
             # with 16 columns: 32 of them (tile_m 128) spill, and hoisting Dpsum's
             # 16 as well spilled (with dV issued before dS^T).
             lse = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
-            if const_expr(hoist_lse):
+            if const_expr(hoist_lse and self.tiles.lse_early):
+                for c in cutlass.range_constexpr(n_cols):
+                    lse[c] = sLSE[tScS[0, c][1], stage]
+            acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
+            wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+            acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
+            wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
+            if const_expr(hoist_lse and not self.tiles.lse_early):
                 for c in cutlass.range_constexpr(n_cols):
                     lse[c] = sLSE[tScS[0, c][1], stage]
             warpgroup.wait_group(1)  # S^T done
@@ -638,6 +679,10 @@ class FlashBwdSm90(Sm90BwdCommon):
                 for r in cutlass.range_constexpr(n_rows):
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
             convert_to_operand_a(acc_S, tdVrP, self.dtype)
+            dpsum = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
+            if const_expr(self.tiles.dpsum_early):
+                for c in cutlass.range_constexpr(n_cols):
+                    dpsum[c] = sDpsum[tScS[0, c][1], stage]
             if const_expr(self.tiles.dv_before_ds):
                 # dV runs on the tensor cores while dS^T is computed.
                 wgmma_gemm(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage],
@@ -648,9 +693,10 @@ class FlashBwdSm90(Sm90BwdCommon):
 
             dP = acc_mn_view(acc_dP)
             for c in cutlass.range_constexpr(n_cols):
-                dpsum = sDpsum[tScS[0, c][1], stage]
+                if const_expr(not self.tiles.dpsum_early):
+                    dpsum[c] = sDpsum[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
-                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum)
+                    dP[r, c] = S[r, c] * (dP[r, c] - dpsum[c])
             convert_to_operand_a(acc_dP, tdKrdS, self.dtype)
 
             # dS^T to SMEM buffer `buf`. Its previous readers (the dQ GEMMs of item

@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from jax_fa4.config import AttentionConfig, KernelKey, dtype_name
+from jax_fa4.config import AttentionConfig, KernelKey, deterministic_bwd_support_error, dtype_name
 from jax_fa4.ffi import cutlass_available, kernel_call
 
 # Per tensor: the dimensions that are compile-time constants (the head dims).
@@ -135,16 +135,17 @@ def _post_kernel(key: KernelKey):
                                _flat_dq_tile_m(key.arch, key.head_dim, key.causal))
 
 
-def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str,
-             deterministic: bool = False):
+def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str):
     """(dq, dk, dv) from the three backward kernels.
 
-    deterministic: the main kernel adds each query block's dQ partials in key-block
-    order through per-block semaphores (``FlashBwdSm90Deterministic``; sm_90a, head
-    dims 64 and 128). Not yet run on a GPU, so the public API does not offer it."""
-    if deterministic and (arch != "sm_90a" or q.shape[-1] not in (64, 128)):
-        raise ValueError("the deterministic backward exists for sm_90a with head dims 64 "
-                         f"and 128, not {arch} with {q.shape[-1]}")
+    config.deterministic: the main kernel adds each query block's dQ partials in a
+    fixed key-block order through per-block semaphores
+    (``FlashBwdSm90Deterministic``; sm_90a, head dims 64 and 128)."""
+    deterministic = config.deterministic
+    if deterministic:
+        err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
+        if err is not None:
+            raise ValueError(err)
     from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
     b, sq, hq, d = q.shape

@@ -19,7 +19,12 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_fa4 import reference
-from jax_fa4.config import AttentionConfig, kernel_support_error, target_arch
+from jax_fa4.config import (
+    AttentionConfig,
+    deterministic_bwd_support_error,
+    kernel_support_error,
+    target_arch,
+)
 from jax_fa4.rules import kernels_cuda, sharding
 
 logger = logging.getLogger("jax_fa4")
@@ -180,7 +185,7 @@ def _no_kernel(config: AttentionConfig, why: str) -> None:
         log_once(f"jax_fa4: {why}; using the reference path (pure JAX, slower)")
 
 
-def _kernel_problem(ctx, config) -> tuple[str | None, str | None]:
+def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     """(arch, None) when a kernel serves this lowering, else (None, reason)."""
     if config.implementation == "reference":
         return None, "reference requested"
@@ -189,6 +194,8 @@ def _kernel_problem(ctx, config) -> tuple[str | None, str | None]:
     if arch is None:
         return None, f"no kernel for this GPU ({source})"
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
+    if err is None and kind == "bwd" and config.deterministic:
+        err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
     if err is None:
         err = kernels_cuda.unavailable(arch)
     return (arch, None) if err is None else (None, err)
@@ -205,7 +212,7 @@ def _make_lowering(kind, reference_fn, kernel_fn, platform):
             if config.implementation != "reference":
                 _no_kernel(config, f"no jax_fa4 kernel on platform {platform}")
             return lower(ctx, args, reference_fn, config=config)
-        arch, why = _kernel_problem(ctx, config)
+        arch, why = _kernel_problem(ctx, config, kind)
         if arch is None:
             if config.implementation != "reference":
                 _no_kernel(config, why)
