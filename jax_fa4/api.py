@@ -138,8 +138,9 @@ def attention(
         "cute" = the kernel or a clear error; "reference" = pure JAX.
       deterministic: make the backward bitwise reproducible. The default
         backward adds the dQ partials of its key blocks in whatever order they
-        finish; this one adds them in key-block order (sm_90a, head dims 64 and
-        128; slower, see docs/performance.md). Where no deterministic kernel
+        finish; this one adds them in a fixed key-block order (head dims 64 and
+        128 on sm_90a, and sm_100a: compiled, not run on hardware; slower, see
+        docs/performance.md). Where no deterministic kernel
         exists the backward runs the reference path (logged once), or raises
         with ``implementation="cute"``. The forward is deterministic either way.
 

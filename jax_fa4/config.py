@@ -88,7 +88,11 @@ def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> st
 
 
 # The (head dim, head dim v) pairs with a deterministic backward kernel, per arch.
-DETERMINISTIC_BWD_HEAD_DIMS = {"sm_90a": ((64, 64), (128, 128))}
+DETERMINISTIC_BWD_HEAD_DIMS = {
+    "sm_90a": ((64, 64), (128, 128)),
+    # Compiled, not run on hardware: no Blackwell GPU has been available.
+    "sm_100a": ((64, 64), (128, 128)),
+}
 
 
 def deterministic_bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:

@@ -40,6 +40,7 @@ def attention_fn(
     promote_dtype: Any = None,
     is_causal: bool = False,
     implementation: str | None = None,
+    deterministic_backward: bool = False,
 ) -> jax.Array:
     """Flax-compatible attention on jax_fa4.
 
@@ -48,6 +49,9 @@ def attention_fn(
       key, value: ``[batch..., kv_len, kv_heads, head_dim(_v)]``.
       mask: boolean ``[batch..., heads, q_len, kv_len]`` (False hides a key).
       is_causal: top-left causal masking, on the kernel.
+      deterministic_backward: bitwise reproducible gradients
+        (``jax_fa4.attention(deterministic=True)``); bind it with
+        ``functools.partial``. Flax's own ``deterministic`` only turns dropout off.
       Other arguments as ``flax.nnx.dot_product_attention``.
 
     Returns:
@@ -83,7 +87,8 @@ def attention_fn(
     batch_shape = query.shape[:-3]
     fold = lambda x: x.reshape((-1,) + x.shape[-3:])  # noqa: E731
     out = attention(
-        fold(query), fold(key), fold(value), causal=is_causal, implementation=implementation
+        fold(query), fold(key), fold(value), causal=is_causal, implementation=implementation,
+        deterministic=deterministic_backward,
     )
     return out.reshape(batch_shape + out.shape[-3:])
 

@@ -8,7 +8,8 @@
 # 1k, 4k, 16k; hdim 64 and 256 at 8k).
 # compile: benchmarks/compile_time.py (fresh processes, cold and cached; about 3-4
 # minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
-# BWD_TIMING=direct times the backward alone (bench_attention --bwd-timing).
+# BWD_TIMING=diff times the backward as fwd+bwd minus fwd (default: direct, the
+# backward alone on saved residuals; bench_attention --bwd-timing).
 # Run after `bash .device/install.sh && . /opt/jax_fa4_site/env.sh`.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -46,7 +47,7 @@ fi
 if [[ $what == bench || $what == quick || $what == all ]]; then
   flag=""; [[ $what != bench ]] && flag="--quick"
   python benchmarks/bench_attention.py $flag --peers "${PEERS:-fa4,cudnn,xla}" \
-    --bwd-timing "${BWD_TIMING:-diff}" --out "$out" 2>&1 \
+    --bwd-timing "${BWD_TIMING:-direct}" --out "$out" 2>&1 \
     | tee "$out/bench.log" | tail -40
 fi
 if [[ $what == compile || $what == all ]]; then

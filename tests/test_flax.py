@@ -64,6 +64,36 @@ def test_linen_matches_and_takes_is_causal_partial():
     assert max_err(got, want) < 1e-5
 
 
+def test_deterministic_backward_through_nnx(monkeypatch):
+    """attention_fn(deterministic_backward=True) reaches the kernel config: the nnx
+    module's gradient, cross-lowered for sm_90a, runs the deterministic backward
+    (its int32 semaphores appear), and the default does not."""
+    from jax_fa4.ffi import cutlass_available
+
+    if cutlass_available() is not None:
+        pytest.skip("no CuTe DSL")
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+
+    def lowered(**kw):
+        fn = functools.partial(jax_fa4.flax.attention_fn, implementation="cute", **kw)
+        mha = nnx.MultiHeadAttention(num_heads=2, in_features=64, qkv_features=256,
+                                     decode=False, attention_fn=fn, dtype=jnp.bfloat16,
+                                     rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(mha)
+
+        def loss(state, x):
+            out = nnx.merge(graphdef, state)(x, is_causal=True)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        x = jax.ShapeDtypeStruct((2, 100, 64), jnp.bfloat16)
+        return jax.jit(jax.grad(loss)).trace(state, x).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    sem = "tensor<2x2x2xi32>"  # (B, Hq, ceil(100 / 64)): head dim 128, 64-row tiles
+    assert sem in lowered(deterministic_backward=True)
+    assert sem not in lowered()
+
+
 def test_nnx_train_step_lowers_loss():
     class Model(nnx.Module):
         def __init__(self, rngs):

@@ -154,3 +154,38 @@ def _check_operand_views(head_dim: int) -> None:
                     cute.crd2idx(c[i], rc.layout)
 
     check(head_dim)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
+def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, causal):
+    """FlashBwdSm100Deterministic (compiled, not run on hardware): the reduce
+    warps' leader spins on its query block's semaphore with acquire loads, issues
+    the TMA reduce-adds only after that, waits for them to land, then releases the
+    next key block with a GPU-scope release increment; the plain class refuses
+    the knob without the semaphores."""
+    import re
+
+    from kernel_compile import dump_options, dumped_sass
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
+
+    text = lower_bwd(FlashBwdSm100Deterministic, "sm_100a", jnp.bfloat16, head_dim, causal,
+                     compile_options=dump_options(tmp_path / "dump"))
+    assert re.search(r"tensor<2x4x1xi32>", text), "no (B, Hq, num_m) int32 semaphores"
+    with pytest.raises(Exception, match="semaphores"):
+        lower_bwd(lambda *a: FlashBwdSm100(*a, deterministic=True), "sm_100a", jnp.bfloat16,
+                  head_dim, causal)
+    lines = [ln.strip() for ln in dumped_sass(tmp_path / "dump").splitlines()]
+
+    def first(pattern, after=0):
+        return next(i for i, ln in enumerate(lines) if i >= after and re.search(pattern, ln))
+
+    spin = first(r"LDG\.E\.STRONG\.GPU")
+    reduce0 = first(r"UTMAREDG", spin)
+    landed = first(r"DEPBAR\.LE SB0, 0x0", reduce0)
+    release = first(r"MEMBAR\.ALL\.GPU", landed)
+    inc = first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
+    assert spin < reduce0 < landed < release < inc
+    spills = sum(ln.count("LDL") + ln.count("STL") for ln in lines)
+    assert spills <= 16, f"{spills} local-memory instructions in the SASS"

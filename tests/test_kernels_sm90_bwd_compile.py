@@ -214,7 +214,7 @@ def test_deterministic_order_is_a_deadlock_free_permutation(causal, sq, sk, tile
     added once; a CTA waits (rank > 0) only on the key block one rank earlier,
     which launches earlier (lower blockIdx.x); and, causal, that block reached the
     query block in fewer steps of its own walk, so it is not behind."""
-    from jax_fa4.kernels.sm90_bwd import det_add_rank, det_key_block
+    from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 
     tile_n = 128
     num_n, num_m = -(-sk // tile_n), -(-sq // tile_m)

@@ -197,10 +197,11 @@ def test_empty_batch_or_heads_launch_no_kernel(monkeypatch, shape):
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
-    """attention(deterministic=True): on sm_90a the step's main backward kernel is
-    the deterministic one (its int32 semaphores appear); where no deterministic
-    kernel exists (sm_100a, hdim 256) only the backward takes the reference path,
-    logged, and implementation="cute" raises instead."""
+    """attention(deterministic=True): on sm_90a and sm_100a (compiled, not run on
+    hardware) the step's main backward kernel is the deterministic one (its int32
+    semaphores, one per query tile, appear); hdim 256 has no deterministic kernel,
+    so its backward alone takes the reference path, logged, and
+    implementation="cute" raises at the call instead."""
     from jax_fa4.rules import primitives
 
     def step(impl):
@@ -211,29 +212,28 @@ def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
         return jax.grad(loss, argnums=(0, 1, 2))
 
     b, sq, hq = 2, 113, 8
-    tile_m = 64 if d == 128 else 128
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
-    text = _lower(step("cute"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
-    assert text.count(CALL) == 4
-    assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
-    for arch, dd in (("sm_100a", d), ("sm_90a", 256)):
+    for arch, tile_m in (("sm_90a", 64 if d == 128 else 128), ("sm_100a", 128)):
         monkeypatch.setenv("JAX_FA4_ARCH", arch)
-        structs = _structs(b, sq, 203, hq, 2, dd, jnp.bfloat16)
-        primitives._logged.clear()
-        with caplog.at_level("WARNING", logger="jax_fa4"):
-            text = _lower(step(None), *structs)
-        assert text.count(CALL) == 1  # the forward kernel; the backward is pure JAX
-        assert any("deterministic backward" in r.getMessage() for r in caplog.records)
-        # sm_100a at lowering (KernelUnavailableError); hdim 256 already at the call.
-        with pytest.raises(ValueError, match="deterministic"):
-            _lower(step("cute"), *structs)
+        text = _lower(step("cute"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
+        assert text.count(CALL) == 4
+        assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    structs = _structs(b, sq, 203, hq, 2, 256, jnp.bfloat16)
+    primitives._logged.clear()
+    with caplog.at_level("WARNING", logger="jax_fa4"):
+        text = _lower(step(None), *structs)
+    assert text.count(CALL) == 1  # the forward kernel; the backward is pure JAX
+    assert any("deterministic backward" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="deterministic"):
+        _lower(step("cute"), *structs)
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_deterministic_backward_lowers(d, causal):
     """rules.kernels_cuda.backward with config.deterministic: the main kernel takes
-    one zeroed int32 semaphore per query block; sm_100a and hdim 256 have no
-    deterministic kernel and say so before compiling a backward."""
+    one zeroed int32 semaphore per query block (sm_90a, and sm_100a compiled, not
+    run on hardware); hdim 256 has no deterministic kernel and says so before
+    compiling a backward."""
     from jax_fa4.config import AttentionConfig
     from jax_fa4.rules import kernels_cuda
 
@@ -246,10 +246,9 @@ def test_deterministic_backward_lowers(d, causal):
             return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch=arch)
         return f
 
-    text = _lower(grads("sm_90a"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
-    assert text.count(CALL) == 4
-    tile_m = 64 if d == 128 else 128
-    assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
-    for arch, dd in (("sm_100a", d), ("sm_90a", 256)):
-        with pytest.raises(ValueError, match="deterministic"):
-            _lower(grads(arch), *_structs(b, sq, 203, hq, 2, dd, jnp.bfloat16))
+    for arch, tile_m in (("sm_90a", 64 if d == 128 else 128), ("sm_100a", 128)):
+        text = _lower(grads(arch), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
+        assert text.count(CALL) == 4
+        assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
+    with pytest.raises(ValueError, match="deterministic"):
+        _lower(grads("sm_90a"), *_structs(b, sq, 203, hq, 2, 256, jnp.bfloat16))

@@ -148,6 +148,25 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
     )
 
 
+@cute.jit
+def semaphore_wait(ptr: cute.Pointer, value) -> None:
+    """Spin with GPU-scope acquire loads until the int32 at ``ptr`` equals ``value``,
+    then order the async proxy's global accesses (bulk / TMA reduces) after it."""
+    done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    while done != value:
+        done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def semaphore_release_after_bulk(ptr: cute.Pointer) -> None:
+    """Wait until this thread's bulk groups have landed in global memory (not only
+    read SMEM), then increment the int32 at ``ptr`` with a GPU-scope release."""
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_proxy("async.global")
+    cute.arch.atomic_add(ptr, Int32(1), sem="release", scope="gpu")
+
+
 def stmatrix_acc(acc16: cute.Tensor, tiled_mma: cute.TiledMma, smem: cute.Tensor, tidx,
                  dtype) -> None:
     """Write this thread's 16-bit copy of a wgmma accumulator into the SMEM tile the

@@ -24,6 +24,9 @@ spelled out here for checks on the host (tests, scripts/gpu_check_bwd.py).
 Warpgroup w owns rows 64 (w % wg_m) and columns N (w // wg_m) of the block, with
 wg_m = tile_m // 64 and N = D * wg_m / num_wg (the tiled MMA's atom layout,
 column-major over (wg_m, wg_n)).
+
+The deterministic backwards (sm90 and sm100) fix the order in which a query block's
+dQ partials are added: ``det_key_block`` and ``det_add_rank`` below.
 """
 
 from __future__ import annotations
@@ -68,3 +71,25 @@ def unflatten_dq_accum(acc, tile_m: int, num_wg: int = 2):
 
 
 __all__ = ["flat_dq_rowcol", "unflatten_dq_accum"]
+
+
+def det_key_block(block, num_n_blocks, causal: bool):
+    """The key block that CTA ``block`` (blockIdx.x) of the deterministic backward
+    runs: the block itself, or causal, in reverse (see ``det_add_rank``)."""
+    return num_n_blocks - 1 - block if causal else block
+
+
+def det_add_rank(m_block, n_block, num_n_blocks, tile_m: int, tile_n: int, causal: bool,
+                 minimum=min):
+    """The place of key block ``n_block``'s dQ partial in query block ``m_block``'s
+    sum in the deterministic backward, for plain ints (tests) and DSL integers
+    (``minimum`` = cutlass.min) alike. The key blocks reaching a query block are
+    0..last (top-left causal keeps key j <= query i). Non-causal the order is 0, 1,
+    ..., last; causal it is last, ..., 0: key block n starts at query block
+    n * tile_n // tile_m, after its successors, so in ascending order each would
+    wait for its predecessor to catch up (half the default's speed on the H200),
+    while in descending order the block it waits for got there first."""
+    if not causal:
+        return n_block
+    last = minimum(((m_block + 1) * tile_m - 1) // tile_n, num_n_blocks - 1)
+    return last - n_block

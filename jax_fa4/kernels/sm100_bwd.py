@@ -54,6 +54,7 @@ dK/dV rows are not stored. A CTA whose keys see no query at all (causal,
 n_block * tile_n >= seqlen_q) still writes dK = dV = 0 for its keys.
 """
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -71,8 +72,11 @@ from jax_fa4.kernels.cute_utils import (
     check_bwd_operand_dtypes,
     init_bwd_kernel,
     permute,
+    semaphore_release_after_bulk,
+    semaphore_wait,
     tma_tile_partition,
 )
+from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +174,11 @@ class FlashBwdSm100:
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T.
       tiles: override of the tile table row (tests only).
+      deterministic: add each query block's dQ partials in a fixed key-block order
+        (``FlashBwdSm100Deterministic``, which takes the semaphores).
     """
+
+    takes_dq_semaphores = False
 
     def __init__(
         self,
@@ -180,7 +188,9 @@ class FlashBwdSm100:
         causal: bool = False,
         softmax_scale: float | None = None,
         tiles: BwdTiles | None = None,
+        deterministic: bool = False,
     ):
+        self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
@@ -244,6 +254,18 @@ class FlashBwdSm100:
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
     ):
+        if const_expr(self.deterministic):
+            raise TypeError("the deterministic backward takes the dQ semaphores: call "
+                            "FlashBwdSm100Deterministic")
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None)
+
+    @cute.jit
+    def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
+               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mdQsem: cute.Tensor | None):
+        """The host side of ``__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)) int32,
+        zero at launch, with the deterministic backward, else None."""
         check_bwd_operand_dtypes(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
         dt = self.dtype
         tm, tn = self.tile_m, self.tile_n
@@ -329,7 +351,7 @@ class FlashBwdSm100:
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
-            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mLSElog2, mDpsum, mdK, mdV,
+            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mdQsem, mLSElog2, mDpsum, mdK, mdV,
             tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
             sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sK_layout, sKt_layout,
             sV_layout, sPt_layout, sdSt_layout, sdS_layout, sdQ_layout,
@@ -351,6 +373,7 @@ class FlashBwdSm100:
         mV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
         mdO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
         mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
+        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic only)
         mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
         mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
         mdK: cute.Tensor,  # (Sk, D, Hkv, B)
@@ -385,6 +408,10 @@ class FlashBwdSm100:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
+        num_n_blocks = cute.ceil_div(mK.shape[0], tn)
+        if const_expr(self.deterministic):
+            # Causal, key blocks launch last first (det_key_block, det_add_rank).
+            n_block = det_key_block(n_block, num_n_blocks, self.causal)
 
         if warp_idx == _LOAD_WARP:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_dQ):
@@ -494,8 +521,9 @@ class FlashBwdSm100:
             cute.arch.setmaxregister_decrease(self.tiles.regs_reduce)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.reduce_dq(mma_dq, mdQaccum, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
-                           head_kv, batch, group_size, m_block_min, num_m, num_iters)
+            self.reduce_dq(mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
+                           n_block, num_n_blocks, head_kv, batch, group_size, m_block_min,
+                           num_m, num_iters)
             tmem_bar.arrive()
 
     # ------------------------------------------------------------------ load warp
@@ -850,10 +878,17 @@ class FlashBwdSm100:
 
     # ---------------------------------------------------------- dQ reduce warps
     @cute.jit
-    def reduce_dq(self, mma_dq, mdQaccum, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx, head_kv,
-                  batch, group_size, m_block_min, num_m, num_iters):
+    def reduce_dq(self, mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
+                  n_block, num_n_blocks, head_kv, batch, group_size, m_block_min, num_m,
+                  num_iters):
         """Warps 0-3: per work item, dQ (TMEM, lane = query row) in dq_cols-column
-        chunks -> SMEM staging tile -> TMA reduce-add into mdQaccum (fp32)."""
+        chunks -> SMEM staging tile -> TMA reduce-add into mdQaccum (fp32).
+
+        Deterministic: before the work item's first reduce the leader spins (acquire
+        loads) until the query block's semaphore reaches this key block's rank
+        (``det_add_rank``); after its last reduce it waits for all of them to land
+        and releases the next key block (fence, GPU-scope release increment), as
+        the sm90 kernel's dQ warp does."""
         tm, d = self.tile_m, self.head_dim
         ncol, nstage = self.tiles.dq_cols, self.tiles.dq_stages
         nchunk = d // ncol
@@ -875,6 +910,10 @@ class FlashBwdSm100:
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, ncol),
                                   (m_block, None))  # (tm, ncol, nchunk)
             tsdQ, tgdQ = tma_tile_partition(tma_dQ, sdQ, gdQ)
+            sem_ptr = None
+            if const_expr(self.deterministic):
+                sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
+                                                         mdQsem.layout)
             pipe_dq.consumer_wait(dq_state)
             for c in cutlass.range_constexpr(nchunk):
                 stage = c % nstage
@@ -901,8 +940,57 @@ class FlashBwdSm100:
                 cute.arch.fence_view_async_shared()
                 reduce_bar.arrive_and_wait()
                 if is_leader:
+                    if const_expr(self.deterministic and c == 0):
+                        rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
+                                            self.causal, cutlass.min)
+                        semaphore_wait(sem_ptr, rank)  # the reduces come after it
                     cute.copy(tma_dQ, tsdQ[None, stage], tgdQ[None, c])
                     cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                if is_leader:
+                    # Every chunk's add lands before the next key block may add.
+                    semaphore_release_after_bulk(sem_ptr)
             dq_state.advance()
         if is_leader:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+
+class FlashBwdSm100Deterministic(FlashBwdSm100):
+    """The deterministic sm100 backward: every query block sums its dQ partials in
+    a fixed key-block order (``det_add_rank``), so dQ is bitwise reproducible. The
+    call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m))
+    int32, zero at launch (one semaphore per query block). Compiled for sm_100a,
+    not run on hardware."""
+
+    takes_dq_semaphores = True
+
+    def __init__(self, dtype, head_dim, head_dim_v=None, causal=False, softmax_scale=None,
+                 tiles=None):
+        if tiles is None:
+            tiles = bwd_tiles(head_dim, causal)
+            if head_dim > 64:
+                # The semaphore's address and rank: the reduce warps take the 8
+                # registers per thread the hdim 128 split leaves free (2 x 160 +
+                # 72 + 120 = 512); at 64 they spilled.
+                tiles = dataclasses.replace(tiles, regs_reduce=tiles.regs_reduce + 8)
+        super().__init__(dtype, head_dim, head_dim_v, causal, softmax_scale, tiles,
+                         deterministic=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        stream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
+        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
+        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
+        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+    ):
+        if const_expr(mdQsem.element_type != Int32):
+            raise TypeError("the dQ semaphores must be int32")
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)

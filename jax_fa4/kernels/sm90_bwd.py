@@ -63,6 +63,8 @@ from jax_fa4.kernels.cute_utils import (
     bulk_reduce_add_f32,
     convert_to_operand_a,
     init_bwd_kernel,
+    semaphore_release_after_bulk,
+    semaphore_wait,
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
@@ -70,6 +72,7 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
+from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
 from jax_fa4.kernels.softmax import acc_mn_view
 
@@ -148,28 +151,6 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early)
-
-
-def det_key_block(block, num_n_blocks, causal: bool):
-    """The key block that CTA ``block`` (blockIdx.x) of the deterministic backward
-    runs: the block itself, or causal, in reverse (see ``det_add_rank``)."""
-    return num_n_blocks - 1 - block if causal else block
-
-
-def det_add_rank(m_block, n_block, num_n_blocks, tile_m: int, tile_n: int, causal: bool,
-                 minimum=min):
-    """The place of key block ``n_block``'s dQ partial in query block ``m_block``'s
-    sum in the deterministic backward, for plain ints (tests) and DSL integers
-    (``minimum`` = cutlass.min) alike. The key blocks reaching a query block are
-    0..last (top-left causal keeps key j <= query i). Non-causal the order is 0, 1,
-    ..., last; causal it is last, ..., 0: key block n starts at query block
-    n * tile_n // tile_m, after its successors, so in ascending order each would
-    wait for its predecessor to catch up (half the default's speed on the H200),
-    while in descending order the block it waits for got there first."""
-    if not causal:
-        return n_block
-    last = minimum(((m_block + 1) * tile_m - 1) // tile_n, num_n_blocks - 1)
-    return last - n_block
 
 
 def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
@@ -513,11 +494,8 @@ class FlashBwdSm90(Sm90BwdCommon):
                 rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
                                     self.causal, cutlass.min)
                 if lane == 0:
-                    done = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    while done != rank:
-                        done = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
-                    # The bulk reduces below (async proxy) come after that acquire.
-                    cute.arch.fence_proxy("async.global")
+                    # The bulk reduces below come after the acquire.
+                    semaphore_wait(sem_ptr, rank)
             for w in cutlass.range_constexpr(n_parts):
                 cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
                 if lane == 0:
@@ -526,11 +504,8 @@ class FlashBwdSm90(Sm90BwdCommon):
                     cute.arch.cp_async_bulk_commit_group()
             if lane == 0:
                 if const_expr(self.deterministic):
-                    # The adds have landed (not only read SMEM); order them before
-                    # the release that lets the next key block add.
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_proxy("async.global")
-                    cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+                    # The adds land before the next key block may add.
+                    semaphore_release_after_bulk(sem_ptr)
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         # The reduce-adds must land before the kernel ends.
@@ -774,10 +749,12 @@ class FlashBwdSm90(Sm90BwdCommon):
 
 class FlashBwdSm90Deterministic(FlashBwdSm90):
     """The deterministic sm90 backward (hdim 64/128, flat dQ): every query block
-    sums its dQ partials in key-block order, so dQ is bitwise reproducible. The
-    call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq /
-    tile_m)) int32, zero at launch (one semaphore per query block). Compiled and
-    SASS-checked; not run on a GPU yet."""
+    sums its dQ partials in a fixed key-block order (``det_add_rank``), so dQ is
+    bitwise reproducible. The call takes one extra operand after mdQaccum: mdQsem,
+    (B, Hq, ceil(Sq / tile_m)) int32, zero at launch (one semaphore per query
+    block). Bitwise reproducibility and the 2x rule were checked on the H200 with
+    ascending order for every mask. The causal descending order has been timed
+    there, not tested (docs/performance.md, v5)."""
 
     takes_dq_semaphores = True
 

@@ -102,12 +102,13 @@ def _pre_kernel(key: KernelKey):
 
 
 def _bwd_kernel(key: KernelKey):
-    if key.kind == "bwd_det":
-        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic
-
-        return FlashBwdSm90Deterministic(_cutlass_dtype(key.dtype), key.head_dim,
-                                         key.head_dim_v, key.causal, key.scale)
-    if key.arch == "sm_90a" and key.head_dim == 256:
+    if key.kind == "bwd_det" and key.arch == "sm_90a":
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic as Kernel
+    elif key.kind == "bwd_det" and key.arch == "sm_100a":  # compiled, not run on hardware
+        from jax_fa4.kernels.sm100_bwd import FlashBwdSm100Deterministic as Kernel
+    elif key.kind == "bwd_det":
+        raise NotImplementedError(f"no deterministic backward kernel for {key.arch}")
+    elif key.arch == "sm_90a" and key.head_dim == 256:
         from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
     elif key.arch == "sm_90a":
         from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
@@ -173,7 +174,10 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     out_static, aliases = (_BSHD, _BSHD, _BSHD), {6: 0}
     if deterministic:
         # One zeroed int32 semaphore per query block, updated in place and dropped.
-        from jax_fa4.kernels.sm90_bwd import bwd_tiles
+        if arch == "sm_90a":
+            from jax_fa4.kernels.sm90_bwd import bwd_tiles
+        else:
+            from jax_fa4.kernels.sm100_bwd import bwd_tiles
 
         tile_m = bwd_tiles(d, config.causal).tile_m
         sem = jax.numpy.zeros((b, hq, -(-sq // tile_m)), jax.numpy.int32)
