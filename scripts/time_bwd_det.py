@@ -14,32 +14,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from gpu_check_bwd import bench  # noqa: E402  (median of 7 x 20 calls)
 
 from jax_fa4.config import AttentionConfig  # noqa: E402
 from jax_fa4.rules import kernels_cuda  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
-
-
-def median_time(fn, args, iters=20, samples=7):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
 
 
 def main():
@@ -65,7 +52,7 @@ def main():
             times = {False: [], True: []}
             for _ in range(2):  # alternate, so drift hits both alike
                 for det in (False, True):
-                    times[det].append(median_time(fns[det], (q, k, v, out, lse, do, dlse)))
+                    times[det].append(bench(fns[det], (q, k, v, out, lse, do, dlse)))
             t = {det: min(ts) for det, ts in times.items()}
             print(f"d{d} S{s} causal={int(causal)}: default {flops / t[False] / 1e12:.0f} TF/s, "
                   f"deterministic {flops / t[True] / 1e12:.0f} TF/s, "

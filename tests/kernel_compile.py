@@ -138,3 +138,21 @@ def dumped_sass(folder: pathlib.Path) -> str:
 
 def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
+
+
+def assert_semaphore_order(lines: list[str], reduce_pattern: str) -> None:
+    """The deterministic backward's dQ adds in the SASS ``lines``: an acquire spin
+    (strong GPU-scope load), then the reduce-adds (``reduce_pattern``), a wait for
+    them to land, a GPU-scope fence, and the release increment, in that order."""
+    def first(pattern, after=0):
+        hit = next((i for i, ln in enumerate(lines) if i >= after and re.search(pattern, ln)),
+                   None)
+        assert hit is not None, f"no {pattern!r} after line {after} of the SASS"
+        return hit
+
+    spin = first(r"LDG\.E\.STRONG\.GPU")
+    reduce0 = first(reduce_pattern, spin)
+    landed = first(r"DEPBAR\.LE SB0, 0x0", reduce0)
+    release = first(r"MEMBAR\.ALL\.GPU", landed)
+    first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
+

@@ -166,7 +166,7 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
     the knob without the semaphores."""
     import re
 
-    from kernel_compile import dump_options, dumped_sass
+    from kernel_compile import assert_semaphore_order, dump_options, dumped_sass
 
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
 
@@ -177,15 +177,6 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
         lower_bwd(lambda *a: FlashBwdSm100(*a, deterministic=True), "sm_100a", jnp.bfloat16,
                   head_dim, causal)
     lines = [ln.strip() for ln in dumped_sass(tmp_path / "dump").splitlines()]
-
-    def first(pattern, after=0):
-        return next(i for i, ln in enumerate(lines) if i >= after and re.search(pattern, ln))
-
-    spin = first(r"LDG\.E\.STRONG\.GPU")
-    reduce0 = first(r"UTMAREDG", spin)
-    landed = first(r"DEPBAR\.LE SB0, 0x0", reduce0)
-    release = first(r"MEMBAR\.ALL\.GPU", landed)
-    inc = first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
-    assert spin < reduce0 < landed < release < inc
+    assert_semaphore_order(lines, r"UTMAREDG")
     spills = sum(ln.count("LDL") + ln.count("STL") for ln in lines)
     assert spills <= 16, f"{spills} local-memory instructions in the SASS"

@@ -16,7 +16,14 @@ import subprocess
 
 import jax.numpy as jnp
 import pytest
-from kernel_compile import bwd_structs, dump_options, dumped_sass, lower, lower_bwd
+from kernel_compile import (
+    assert_semaphore_order,
+    bwd_structs,
+    dump_options,
+    dumped_sass,
+    lower,
+    lower_bwd,
+)
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -191,15 +198,7 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
     sass = "\n".join(lines)
     assert "LDL" not in sass and "STL" not in sass, "local memory spill"
 
-    def first(pattern, after=0):
-        return next(i for i, ln in enumerate(lines) if i >= after and re.search(pattern, ln))
-
-    spin = first(r"LDG\.E\.STRONG\.GPU")
-    reduce0 = first(r"UBLKRED\.G\.S\.ADD\.F32", spin)
-    landed = first(r"DEPBAR\.LE SB0, 0x0", reduce0)
-    release = first(r"MEMBAR\.ALL\.GPU", landed)
-    inc = first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
-    assert spin < reduce0 < landed < release < inc
+    assert_semaphore_order(lines, r"UBLKRED\.G\.S\.ADD\.F32")
     assert sass.count("UBLKRED") == 2  # one per warpgroup part, as without the knob
 
 
