@@ -119,6 +119,9 @@ def jax_impls(peers):
     impls = {
         "jax_fa4": lambda q, k, v, c: jax_fa4.attention(q, k, v, causal=c, implementation="cute")
     }
+    if "det" in peers:  # jax_fa4's deterministic backward (its cost, in the same run)
+        impls["jax_fa4_det"] = lambda q, k, v, c: jax_fa4.attention(
+            q, k, v, causal=c, implementation="cute", deterministic=True)
     if "cudnn" in peers:
         impls["cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
             q, k, v, is_causal=c, implementation="cudnn")
@@ -225,7 +228,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="four cases instead of ten")
     p.add_argument("--out", default="docs/benchmarks", help="folder for the CSV and the plot")
     p.add_argument("--peers", default="fa4,cudnn,xla",
-                   help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla")
+                   help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla, det "
+                        "(jax_fa4 with deterministic=True)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
     p.add_argument("--bwd-timing", choices=("diff", "direct"), default="direct",

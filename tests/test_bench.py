@@ -32,3 +32,15 @@ def test_flops_counts_causal_half_and_backward_2_5x():
     assert f == 4 * 2 * 4 * 1024**2 * 128
     assert ba.flops(2, 4, 1024, 128, True, "fwd") == f / 2
     assert ba.flops(2, 4, 1024, 128, False, "bwd") == 2.5 * f
+
+
+def test_det_peer_is_jax_fa4_with_a_deterministic_backward(monkeypatch):
+    """--peers det adds jax_fa4 with deterministic=True, and only when asked."""
+    import jax_fa4
+
+    assert "jax_fa4_det" not in ba.jax_impls({"cudnn", "xla"})
+    seen = {}
+    monkeypatch.setattr(jax_fa4, "attention", lambda *a, **kw: seen.update(kw) or a[0])
+    ba.jax_impls({"det"})["jax_fa4_det"](1, 2, 3, True)
+    assert seen == {"causal": True, "implementation": "cute", "deterministic": True}
+
