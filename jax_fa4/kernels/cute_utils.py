@@ -8,7 +8,7 @@ from typing import Any
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32, cute
+from cutlass import Int32, const_expr, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
@@ -146,6 +146,35 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+class DqSemaphoreCall:
+    """The call of a deterministic backward main kernel (put before the kernel class
+    in the bases): the backward operands with mdQsem, (B, Hq, ceil(Sq / tile_m))
+    int32 and zero at launch, after mdQaccum; it runs the kernel's
+    ``launch(..., mdQsem)``."""
+
+    takes_dq_semaphores = True
+
+    @cute.jit
+    def __call__(
+        self,
+        stream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
+        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
+        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
+        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+    ):
+        if const_expr(mdQsem.element_type != Int32):
+            raise TypeError("the dQ semaphores must be int32")
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
+
 
 
 @cute.jit

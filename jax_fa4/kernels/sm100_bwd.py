@@ -69,6 +69,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    DqSemaphoreCall,
     check_bwd_operand_dtypes,
     init_bwd_kernel,
     permute,
@@ -955,14 +956,12 @@ class FlashBwdSm100:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
 
-class FlashBwdSm100Deterministic(FlashBwdSm100):
+class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
     """The deterministic sm100 backward: every query block sums its dQ partials in
     a fixed key-block order (``det_add_rank``), so dQ is bitwise reproducible. The
     call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m))
     int32, zero at launch (one semaphore per query block). Compiled for sm_100a,
     not run on hardware."""
-
-    takes_dq_semaphores = True
 
     def __init__(self, dtype, head_dim, head_dim_v=None, causal=False, softmax_scale=None,
                  tiles=None):
@@ -975,22 +974,3 @@ class FlashBwdSm100Deterministic(FlashBwdSm100):
                 tiles = dataclasses.replace(tiles, regs_reduce=tiles.regs_reduce + 8)
         super().__init__(dtype, head_dim, head_dim_v, causal, softmax_scale, tiles,
                          deterministic=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        stream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
-        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
-        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-    ):
-        if const_expr(mdQsem.element_type != Int32):
-            raise TypeError("the dQ semaphores must be int32")
-        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)

@@ -56,10 +56,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    DqSemaphoreCall,
     bulk_reduce_add_f32,
     convert_to_operand_a,
     init_bwd_kernel,
@@ -747,7 +748,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-class FlashBwdSm90Deterministic(FlashBwdSm90):
+class FlashBwdSm90Deterministic(DqSemaphoreCall, FlashBwdSm90):
     """The deterministic sm90 backward (hdim 64/128, flat dQ): every query block
     sums its dQ partials in a fixed key-block order (``det_add_rank``), so dQ is
     bitwise reproducible. The call takes one extra operand after mdQaccum: mdQsem,
@@ -756,26 +757,5 @@ class FlashBwdSm90Deterministic(FlashBwdSm90):
     ascending order for every mask. The causal descending order has been timed
     there, not tested (docs/performance.md, v5)."""
 
-    takes_dq_semaphores = True
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, deterministic=True, **kwargs)
-
-    @cute.jit
-    def __call__(
-        self,
-        stream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32
-        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
-        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-    ):
-        if const_expr(mdQsem.element_type != Int32):
-            raise TypeError("the dQ semaphores must be int32")
-        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
