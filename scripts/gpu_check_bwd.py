@@ -35,16 +35,13 @@ from cutlass.jax import TensorSpec, cutlass_call, get_export_disabled_safety_che
 from jax import export  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded  # noqa: E402
 from jax_fa4.kernels.dq_layout import unflatten_dq_accum  # noqa: E402
 from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles  # noqa: E402
 
 log = logging.getLogger("gpu_check_bwd")
 LOG2_E = math.log2(math.e)
 CUTE_DTYPE = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}
-
-
-def round_up(x, m):
-    return (x + m - 1) // m * m
 
 
 def make_tiles(d, causal, variant):
@@ -129,9 +126,15 @@ def attention(q, k, v, scale, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def pad_stats(dpsum, lse_log2):
+def q_tile_pad(d, causal, variant):
+    """The tile_m argument of seqlen_q_padded for this variant's query tile."""
+    tile_m = make_tiles(d, causal, variant).tile_m
+    return tile_m if tile_m % 64 else None
+
+
+def pad_stats(dpsum, lse_log2, tile_m=None):
     """The workspaces' Sq_pad rows: Dpsum 0 and LSElog2 +inf past Sq (bwd_preprocess)."""
-    pad = round_up(dpsum.shape[-1], 128) - dpsum.shape[-1]
+    pad = seqlen_q_padded(dpsum.shape[-1], tile_m) - dpsum.shape[-1]
     widths = ((0, 0), (0, 0), (0, pad))
     return (jnp.pad(dpsum, widths), jnp.pad(lse_log2, widths, constant_values=jnp.inf))
 
@@ -149,7 +152,7 @@ def jnp_postprocess(dq_accum, sq, scale, dtype, tile_m):
     return (scale * dq_accum[:, :, :sq]).transpose(0, 2, 1, 3).astype(dtype), dq_accum
 
 
-def make_runner(kcall, scale, causal, tile_m=None):
+def make_runner(kcall, scale, causal, tile_m=None, pad_tile=None):
     @jax.jit
     def run(q, k, v, do):
         f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
@@ -162,8 +165,8 @@ def make_runner(kcall, scale, causal, tile_m=None):
         o = o32.astype(q.dtype)
         dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
         bsz, sq, hq, d = q.shape
-        dpsum, lse_log2 = pad_stats(dpsum, lse32 * LOG2_E)
-        dq_accum = jnp.zeros((bsz, hq, round_up(sq, 128), d), jnp.float32)
+        dpsum, lse_log2 = pad_stats(dpsum, lse32 * LOG2_E, pad_tile)
+        dq_accum = jnp.zeros((bsz, hq, seqlen_q_padded(sq, pad_tile), d), jnp.float32)
         dq_accum, dk, dv = kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
         dq, dq_accum = jnp_postprocess(dq_accum, sq, scale, q.dtype, tile_m)
         pad_max = jnp.max(jnp.abs(dq_accum[:, :, sq:])) if dq_accum.shape[2] > sq else 0.0
@@ -220,18 +223,20 @@ def time_one(kcall, causal, rows, variant, d=128):
     q, k, v, do = [jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype) for kk in ks]
     lse_log2 = jax.random.normal(ks[0], (b, h, s), jnp.float32) + 10.0
     dpsum = jax.random.normal(ks[1], (b, h, s), jnp.float32)
-    dpsum, lse_log2 = pad_stats(dpsum, lse_log2)
+    pad_tile = q_tile_pad(d, causal, variant)
+    dpsum, lse_log2 = pad_stats(dpsum, lse_log2, pad_tile)
     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
 
     @jax.jit
     def main_only(q, k, v, do, lse_log2, dpsum):
-        dq_accum = jnp.zeros((b, h, round_up(s, 128), d), jnp.float32)
+        dq_accum = jnp.zeros((b, h, seqlen_q_padded(s, pad_tile), d), jnp.float32)
         return kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
 
     @jax.jit
     def full(q, k, v, do, o, lse):
         dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
-        dq_accum = jnp.zeros((b, h, round_up(s, 128), d), jnp.float32)
+        dpsum = jnp.pad(dpsum, ((0, 0), (0, 0), (0, lse.shape[-1] - s)))
+        dq_accum = jnp.zeros((b, h, seqlen_q_padded(s, pad_tile), d), jnp.float32)
         dq_accum, dk, dv = kcall(q, k, v, do, lse, dpsum, dq_accum)
         dq, _ = jnp_postprocess(dq_accum, s, scale, q.dtype, flat_tile_m(d, causal, variant))
         return dq, dk, dv
@@ -324,7 +329,7 @@ def main():
         tag = f"{variant} {dtype.__name__} d{d} c{int(causal)}"
         try:
             run = make_runner(make_kcall(dtype, d, causal, scale, variant), scale, causal,
-                              flat_tile_m(d, causal, variant))
+                              flat_tile_m(d, causal, variant), q_tile_pad(d, causal, variant))
         except Exception as e:
             log.exception("build failed")
             rows.append((tag, f"BUILD FAIL {e}"))

@@ -120,7 +120,9 @@ def test_backward_deterministic(shape, d, causal):
             deterministic=True), q, k, v)
         return pullback((dout.astype(out.dtype), dlse))
 
-    tile_m = 64 if d == 128 else 128
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    tile_m = bwd_tiles(d, causal).tile_m  # one semaphore per query block
     hlo = grads.lower(q, k, v, dout, dlse).as_text()
     assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in hlo
     with poison_outputs():

@@ -66,13 +66,15 @@ def test_postprocess_compiles(arch, dtype, head_dim):
 
 @needs_cutlass
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64), (80, 128)])
 def test_postprocess_flat_compiles(tmp_path, dtype, tile_m, head_dim):
     """The sm90 backward's flat dQaccum order (Note [Flat dQ accumulator]): each
-    thread reads its 32 floats as 8 coalesced 128-bit loads, writes 16-bit dQ to
-    SMEM with stmatrix, and one TMA store writes the tile."""
+    thread reads its tile_m * D / 256 floats as coalesced 128-bit loads, writes
+    16-bit dQ to SMEM with stmatrix (transposed for the 80-row tile, which holds
+    dQ^T's fragments), and one TMA store writes the tile."""
     batch, seqlen, heads = 2, 203, 3
-    shape, f32 = bwd_workspace_shapes(batch, seqlen, heads, head_dim)["dQaccum"]
+    odd = tile_m if tile_m % 64 else None
+    shape, f32 = bwd_workspace_shapes(batch, seqlen, heads, head_dim, odd)["dQaccum"]
     out = jax.ShapeDtypeStruct((batch, seqlen, heads, head_dim), dtype)
     text = lower(lambda: FlashBwdPostprocess(dtype, head_dim, head_dim**-0.5, tile_m), "sm_90a",
                  (jax.ShapeDtypeStruct(shape, f32),), (out,),
@@ -82,7 +84,8 @@ def test_postprocess_flat_compiles(tmp_path, dtype, tile_m, head_dim):
     if not sass_files:
         pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
     sass = open(sass_files[0]).read()
-    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == 8
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == tile_m * head_dim // 256 // 4
+    assert ("STSM.16.MT88" in sass) == (odd is not None)
     assert "STSM" in sass and "UTMASTG" in sass
     assert not re.findall(r"\b(LDL|STL)\b", sass)
 
@@ -90,7 +93,9 @@ def test_postprocess_flat_compiles(tmp_path, dtype, tile_m, head_dim):
 @needs_cutlass
 def test_postprocess_rejects_a_flat_order_it_cannot_read():
     with pytest.raises(ValueError, match="flat"):
-        FlashBwdPostprocess(jnp.bfloat16, 128, 0.1, flat_tile_m=80)
+        FlashBwdPostprocess(jnp.bfloat16, 64, 0.1, flat_tile_m=80)
+    with pytest.raises(ValueError, match="flat"):
+        FlashBwdPostprocess(jnp.bfloat16, 128, 0.1, flat_tile_m=96)
     with pytest.raises(ValueError, match="flat"):
         FlashBwdPostprocess(jnp.bfloat16, 256, 0.1, flat_tile_m=64)
 

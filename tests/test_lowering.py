@@ -212,7 +212,9 @@ def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
         return jax.grad(loss, argnums=(0, 1, 2))
 
     b, sq, hq = 2, 113, 8
-    for arch, tile_m in (("sm_90a", 64 if d == 128 else 128), ("sm_100a", 128)):
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    for arch, tile_m in (("sm_90a", bwd_tiles(d, causal).tile_m), ("sm_100a", 128)):
         monkeypatch.setenv("JAX_FA4_ARCH", arch)
         text = _lower(step("cute"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
         assert text.count(CALL) == 4
@@ -246,7 +248,9 @@ def test_deterministic_backward_lowers(d, causal):
             return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch=arch)
         return f
 
-    for arch, tile_m in (("sm_90a", 64 if d == 128 else 128), ("sm_100a", 128)):
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    for arch, tile_m in (("sm_90a", bwd_tiles(d, causal).tile_m), ("sm_100a", 128)):
         text = _lower(grads(arch), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
         assert text.count(CALL) == 4
         assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text

@@ -69,11 +69,14 @@ class FlashBwdPostprocess:
         # The main kernel's query tile when dQaccum is in flat order, else None.
         self.flat_tile_m = flat_tile_m
         if flat_tile_m is not None:
-            if flat_tile_m not in (64, 128) or head_dim not in (64, 128):
+            if (flat_tile_m not in (64, 80, 128) or head_dim not in (64, 128)
+                    or (flat_tile_m == 80 and head_dim != 128)):
                 raise ValueError(f"no flat dQ accumulator for tile_m {flat_tile_m}, "
                                  f"head_dim {head_dim}")
             self.tile_m, self.num_threads = flat_tile_m, 256
-        assert SEQLEN_Q_PAD % self.tile_m == 0
+        # An 80-row flat tile is no divisor of SEQLEN_Q_PAD; Sq_pad then covers
+        # ceil(Sq / 80) whole tiles (seqlen_q_padded), of which this grid reads.
+        assert SEQLEN_Q_PAD % self.tile_m == 0 or flat_tile_m == 80
 
     @cute.jit
     def __call__(
@@ -176,7 +179,8 @@ class FlashBwdPostprocess:
         sdQ_layout: cute.ComposedLayout,
         Storage: cutlass.Constexpr,
     ):
-        from jax_fa4.kernels.cute_utils import stmatrix_acc, tma_store_tile
+        from jax_fa4.kernels.cute_utils import stmatrix_acc, tma_store_tile, transpose_smem
+        from jax_fa4.kernels.sm90_bwd_common import dq_mma_shape
 
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -186,8 +190,10 @@ class FlashBwdPostprocess:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         # This thread's chunks: 4 floats every 512, as its MMA namesake stored them.
+        # An 80-row tile holds dQ^T's fragments (dq_mma_shape).
         thr_mma = mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, d)), Float32)
+        swapped = tm % 64 != 0
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(dq_mma_shape(tm, d)), Float32)
         part = cute.size(acc) * 128
         gblk = cute.local_tile(mdQaccum[None, None, head, batch], (tm, d), (m_block, 0))
         gpart = cute.make_tensor(gblk.iterator, cute.make_layout((part, 2)))[None, wg]
@@ -199,7 +205,8 @@ class FlashBwdPostprocess:
 
         rdQ = cute.make_fragment_like(acc, self.dtype)
         rdQ.store((acc.load() * self.softmax_scale).to(self.dtype))
-        stmatrix_acc(rdQ, mma, sdQ, tidx, self.dtype)
+        stmatrix_acc(rdQ, mma, transpose_smem(sdQ) if const_expr(swapped) else sdQ, tidx,
+                     self.dtype, transpose=swapped)
         # The st.matrix writes must be visible to the TMA engine before it reads.
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()

@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-# Sq_pad = round_up(Sq, SEQLEN_Q_PAD): a backward Q tile of 64 or 128 rows is
-# always a whole block of dQaccum, so its TMA reduce-add never runs off the end.
+# Sq_pad is a multiple of SEQLEN_Q_PAD: a backward Q tile of 64 or 128 rows is
+# always a whole block of dQaccum, so its reduce-add never runs off the end.
 SEQLEN_Q_PAD = 128
 
 
@@ -34,27 +34,39 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def seqlen_q_padded(seqlen_q: int, tile_m: int | None = None) -> int:
+    """Sq_pad: round_up(Sq, 128), and with a query tile that does not divide 128
+    (the sm90 hdim 128 non-causal backward's 80 rows) large enough for
+    ceil(Sq / tile_m) whole tiles as well (Sq = 4096: 52 tiles end at row 4160,
+    so 4224)."""
+    pad = _round_up(seqlen_q, SEQLEN_Q_PAD)
+    if tile_m is not None:
+        pad = max(pad, _round_up(_round_up(seqlen_q, tile_m), SEQLEN_Q_PAD))
+    return pad
+
+
 def bwd_workspace_shapes(
-    batch: int, seqlen_q: int, heads_q: int, head_dim: int
+    batch: int, seqlen_q: int, heads_q: int, head_dim: int, tile_m: int | None = None
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Shapes and dtypes of the fp32 workspaces the backward pass needs.
 
     Args:
       batch, seqlen_q, heads_q: B, Sq, Hq of the query.
       head_dim: D, the query/key head dim (dQ has this width).
+      tile_m: the main kernel's query tile, where it does not divide 128.
 
     Returns:
       name -> (shape, dtype) for
         Dpsum   (B, Hq, Sq_pad)      f32: rowsum(dO * O) - dLSE; 0 past Sq
         LSElog2 (B, Hq, Sq_pad)      f32: LSE * log2(e); +inf past Sq
-        dQaccum (B, Hq, Sq_pad, D)   f32: zeroed here, Sq_pad = round_up(Sq, 128)
+        dQaccum (B, Hq, Sq_pad, D)   f32: zeroed here, Sq_pad = seqlen_q_padded(Sq, tile_m)
 
     The statistics are padded like dQaccum so that a main kernel can load a whole
     block of them with one aligned bulk copy, and so that padding queries get
     P = exp2(s - inf) = 0 without a bounds test.
     """
     f32 = np.dtype(np.float32)
-    seqlen_q_pad = _round_up(seqlen_q, SEQLEN_Q_PAD)
+    seqlen_q_pad = seqlen_q_padded(seqlen_q, tile_m)
     return {
         "Dpsum": ((batch, heads_q, seqlen_q_pad), f32),
         "LSElog2": ((batch, heads_q, seqlen_q_pad), f32),
@@ -318,6 +330,7 @@ class FlashBwdPreprocess:
 
 __all__ = [
     "SEQLEN_Q_PAD",
+    "seqlen_q_padded",
     "FlashBwdPreprocess",
     "bwd_workspace_shapes",
     "preprocess_tiling",

@@ -197,12 +197,13 @@ def semaphore_release_after_bulk(ptr: cute.Pointer) -> None:
 
 
 def stmatrix_acc(acc16: cute.Tensor, tiled_mma: cute.TiledMma, smem: cute.Tensor, tidx,
-                 dtype) -> None:
+                 dtype, transpose: bool = False) -> None:
     """Write this thread's 16-bit copy of a wgmma accumulator into the SMEM tile the
-    tiled MMA covers, with st.matrix (four 8x8 matrices per instruction). The caller
+    tiled MMA covers, with st.matrix (four 8x8 matrices per instruction; transposed,
+    st.matrix .trans, into a tile whose contiguous mode is the MMA's M). The caller
     fences (``fence_view_async_shared``) before a TMA engine reads the tile."""
     atom = cute.make_copy_atom(
-        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
     thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
     cute.copy(atom, thr.retile(acc16), thr.partition_D(smem))
 

@@ -25,6 +25,11 @@ Warpgroup w owns rows 64 (w % wg_m) and columns N (w // wg_m) of the block, with
 wg_m = tile_m // 64 and N = D * wg_m / num_wg (the tiled MMA's atom layout,
 column-major over (wg_m, wg_n)).
 
+An 80-row tile (hdim 128, non-causal) computes dQ^T = K^T dS^T instead: the wgmma
+rows above are dQ's columns and its columns dQ's rows (query), N = tile_m = 80,
+and warpgroup w owns dQ columns [64 w, 64 w + 64). The formula and the flat order
+are otherwise the same.
+
 The deterministic backwards (sm90 and sm100) fix the order in which a query block's
 dQ partials are added: ``det_key_block`` and ``det_add_rank`` below.
 """
@@ -40,7 +45,19 @@ VEC = 4  # floats per 128-bit store
 def flat_dq_rowcol(tile_m: int, head_dim: int, num_wg: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """(rows, cols): position f of a query block's flat tile_m * head_dim floats
     holds dQ[rows[f], cols[f]] of that block (Note [Flat dQ accumulator])."""
-    if tile_m % 64 or num_wg % (tile_m // 64):
+    if tile_m % 64:  # dQ^T: wgmma (row, col) = dQ (col, row)
+        if tile_m % 16 or head_dim != 64 * num_wg:
+            raise ValueError(f"tile_m {tile_m} computes dQ^T, which needs head_dim "
+                             f"{64 * num_wg}, got {head_dim}")
+        f = np.arange(tile_m * head_dim)
+        w, r = np.divmod(f, 64 * tile_m)
+        q, r = np.divmod(r, WG_THREADS * VEC)
+        t, e = np.divmod(r, VEC)
+        i, k = np.divmod(e, 2)
+        cols = 64 * w + 16 * (t // 32) + (t % 32) // 4 + 8 * i
+        rows = 8 * q + 2 * (t % 4) + k
+        return rows, cols
+    if num_wg % (tile_m // 64):
         raise ValueError(f"tile_m {tile_m} is not 64 rows per warpgroup row")
     wg_m = tile_m // 64
     wg_n = num_wg // wg_m
@@ -66,8 +83,16 @@ def unflatten_dq_accum(acc, tile_m: int, num_wg: int = 2):
     rows, cols = flat_dq_rowcol(tile_m, d, num_wg)
     inverse = np.empty(tile_m * d, dtype=np.int64)
     inverse[rows * d + cols] = np.arange(tile_m * d)
-    blocks = acc.reshape(b, h, s_pad // tile_m, tile_m * d)
-    return blocks[..., inverse].reshape(b, h, s_pad, d)
+    # Sq_pad need not be a multiple of an 80-row tile; it covers the tiles that
+    # hold rows below Sq (seqlen_q_padded), and the rows past the last whole
+    # tile are padding.
+    whole = s_pad // tile_m * tile_m
+    blocks = acc[:, :, :whole].reshape(b, h, s_pad // tile_m, tile_m * d)
+    out = blocks[..., inverse].reshape(b, h, whole, d)
+    if whole == s_pad:
+        return out
+    xp = np if isinstance(acc, np.ndarray) else __import__("jax.numpy", fromlist=["x"])
+    return xp.concatenate([out, acc[:, :, whole:]], axis=2)
 
 
 __all__ = ["flat_dq_rowcol", "unflatten_dq_accum"]

@@ -74,7 +74,7 @@ from jax_fa4.kernels.cute_utils import (
     wgmma_gemm,
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
-from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
+from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_mma_shape, dq_tiled_mma
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,9 @@ class BwdTiles:
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
 # lse_early, dpsum_early).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
-# 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10%, issuing dV
+# 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
+# queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
+# with the flat dQ^T (flash-attn-4's non-causal choice, +2.4% for it), issuing dV
 # after dS^T measured the same or 1% faster, and the flat dQ order gained 4% (non-
 # causal) / 8% (causal); at hdim 64 issuing dV after dS^T removed the wgmma
 # serialisation (+21%), the per-warpgroup hand-off then gained 2-5%, and the flat
@@ -140,10 +142,11 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     """The tile table, keyed by head dim and mask (FA3's sm90 backward choices, adapted).
 
     hdim 64: 128 x 128 (S^T per warpgroup 64 x 128, dK/dV 64 x 64 each);
-    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each); 80 x 128 (dQ computed
-    transposed) is a knob, not the default. Both issue dV after dS^T, which keeps
-    every wgmma asynchronous within the 240 registers of an MMA thread (80 x 128
-    spills 64 bytes).
+    hdim 128: 64 x 128 (S^T 64 x 64, dK/dV 64 x 128 each); 80 x 128 (dQ^T computed
+    from a keys-contiguous dS, flat dQ^T order; the workspaces then need
+    ``seqlen_q_padded(Sq, 80)``) is a knob, not the default: it measured level.
+    Both issue dV after dS^T, which keeps every wgmma asynchronous within the 240
+    registers of an MMA thread.
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
@@ -200,12 +203,12 @@ class FlashBwdSm90(Sm90BwdCommon):
         # dQ = dS K (tile_m x d): split along m when there are two 64-row atoms,
         # else along d. A tile_m that is no multiple of 64 computes dQ^T = K^T dS^T
         # instead (M = d, split along d; FA3's dQ_swapAB), which needs d = 128.
+        # Its SMEM dS is then (tile_m, tile_n), keys contiguous: 256-byte rows take
+        # the 128-byte swizzle, where 80 queries contiguous (160 bytes) got only 32.
         self.dq_swap = self.tile_m % 64 != 0
         if self.dq_swap and self.head_dim != 64 * self.num_mma_wg:
             raise ValueError(f"tile_m {self.tile_m} needs head_dim 128, got {head_dim}")
         self.wg_m_dq = 1 if self.dq_swap else self.tile_m // 64
-        if t.dq_flat and self.dq_swap:
-            raise ValueError(f"dq_flat needs tile_m a multiple of 64, got {self.tile_m}")
         if deterministic and not t.dq_flat:
             raise ValueError("the deterministic backward orders the flat dQ reduces "
                              "(BwdTiles.dq_flat)")
@@ -228,11 +231,9 @@ class FlashBwdSm90(Sm90BwdCommon):
             self.dtype, self.dtype, K, MN, Float32, (wg, 1, 1), (64, dv),
             a_source=warpgroup.OperandSource.RMEM)
         if self.dq_swap:
-            # dQ^T = K^T dS^T: A = K^T (d x tile_n), B = dS (tile_m x tile_n), both
-            # MN-major; warpgroup w owns dQ columns [64w, 64w + 64).
-            mma_dq = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, MN, Float32, (wg, 1, 1), (64, tm))
-            return mma_sdp, mma_dk, mma_dv, mma_dq
+            # dQ^T = K^T dS^T: A = K^T (d x tile_n) MN-major, B = dS (tile_m x
+            # tile_n) K-major; warpgroup w owns dQ columns [64w, 64w + 64).
+            return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
         # dQ = dS K: A = dS (tile_m x tile_n) MN-major (SMEM holds dS^T),
         # B = K^T (d x tile_n) MN-major.
         return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
@@ -284,8 +285,10 @@ class FlashBwdSm90(Sm90BwdCommon):
 
         sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, row_stage = (
             self.load_layouts())
-        # dS^T (tile_n x tile_m, queries contiguous), double buffered.
-        sdS_layout = sm90_smem_layout(self.dtype, tn, tm, 2)
+        # dS^T (tile_n x tile_m, queries contiguous), double buffered; with dq_swap
+        # dS (tile_m x tile_n, keys contiguous).
+        sdS_layout = (sm90_smem_layout(self.dtype, tm, tn, 2) if self.dq_swap
+                      else sm90_smem_layout(self.dtype, tn, tm, 2))
         # dQ partial in SMEM: the whole (tile_m, d) tile, or with dq_per_wg one
         # (tile_m / wg_m, d / wg_n) part per warpgroup (stage mode = warpgroup).
         dq_part = self._dq_part()
@@ -546,9 +549,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         tdKrdS = mma_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
         tdKrQt = mma_dk.make_fragment_B(wg_dk.partition_B(transpose_smem(sQ)))
         # dQ = dS K: A = dS (tile_m x tile_n) read from the dS^T buffer, B = K^T.
-        if const_expr(self.dq_swap):  # dQ^T = K^T dS^T
+        if const_expr(self.dq_swap):  # dQ^T = K^T dS^T; SMEM holds dS
             tdQrKt = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sK)))
-            tdQrdS = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sdS)))
+            tdQrdS = mma_dq.make_fragment_B(wg_dq.partition_B(sdS))
         else:
             tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sdS)))
             tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
@@ -562,17 +565,20 @@ class FlashBwdSm90(Sm90BwdCommon):
         tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
-        hoist_lse = n_cols <= 16
-        # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block.
+        hoist_lse = n_cols <= 20
+        # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block; with
+        # dq_swap transposed (st.matrix .trans), into the keys-contiguous dS.
         stsm = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=self.dq_swap, num_matrices=4),
+            self.dtype)
         copy_ds = cute.make_tiled_copy_C(stsm, mma_sdp)
         thr_copy_ds = copy_ds.get_slice(tidx)
-        tdSsdS = thr_copy_ds.partition_D(sdS)
+        tdSsdS = thr_copy_ds.partition_D(transpose_smem(sdS) if const_expr(self.dq_swap)
+                                         else sdS)
         if const_expr(self.tiles.dq_flat):
             # Warpgroup w's registers, 4 at a time, thread-interleaved, into floats
             # [w P, (w + 1) P) (Note [Flat dQ accumulator]).
-            part = cute.size(thr_dq.partition_shape_C((tm, d))) * 128
+            part = cute.size(thr_dq.partition_shape_C(dq_mma_shape(tm, d))) * 128
             sdQ_wg = cute.make_tensor(sdQ.iterator,
                                       cute.make_layout((part, self.num_mma_wg)))[None, wg_idx]
             r2s_dq = cute.make_tiled_copy_tv(

@@ -27,15 +27,27 @@ from jax_fa4.kernels.cute_utils import (
 SM90_MAX_SMEM_BYTES = 227 * 1024
 
 
+def dq_mma_shape(tile_m: int, head_dim: int) -> tuple[int, int]:
+    """The (M, N) of the sm90 backward's dQ GEMM: (tile_m, head_dim), or with a
+    tile_m that is no multiple of 64 (head_dim, tile_m): it computes dQ^T."""
+    return (head_dim, tile_m) if tile_m % 64 else (tile_m, head_dim)
+
+
 def dq_tiled_mma(dtype, tile_m: int, head_dim: int, num_wg: int = 2) -> cute.TiledMma:
     """The tiled MMA of dQ = dS K (tile_m x head_dim, fp32 accumulator) in the sm90
     backward: one 64-row atom per warpgroup, split along m when tile_m has two,
     else along d. A = dS read from the dS^T buffer and B = K^T are both MN-major.
+    A tile_m that is no multiple of 64 (80) computes dQ^T = K^T dS^T instead
+    (``dq_mma_shape``): A = K^T MN-major, B = dS K-major, split along d.
     The postprocess rebuilds it to read the flat dQ accumulator back into the
     same register fragments (Note [Flat dQ accumulator] in dq_layout.py)."""
     import cutlass.utils.hopper_helpers as sm90_utils
 
     mn = cute.nvgpu.OperandMajorMode.MN
+    if tile_m % 64:
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, mn, cute.nvgpu.OperandMajorMode.K, Float32, (num_wg, 1, 1),
+            (64, tile_m))
     wg_m = tile_m // 64
     wg_n = num_wg // wg_m
     return sm90_utils.make_trivial_tiled_mma(
