@@ -56,6 +56,17 @@ QUICK_CASES = [(128, 4096, False), (128, 4096, True), (64, 8192, False), (64, 81
 TOKENS, HIDDEN = 16384, 2048
 
 
+def parse_cases(text: str) -> list[tuple[int, int, bool]]:
+    """--cases "128:4096:0,256:8192:1" -> [(128, 4096, False), (256, 8192, True)]."""
+    cases = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[2] not in ("0", "1"):
+            raise ValueError(f"--cases wants hdim:seqlen:causal(0|1), got {item!r}")
+        cases.append((int(parts[0]), int(parts[1]), parts[2] == "1"))
+    return cases
+
+
 def flops(b, h, s, d, causal, direction):
     f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     return f * (2.5 if direction == "bwd" else 1.0)
@@ -226,6 +237,9 @@ def release_torch_memory():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="four cases instead of ten")
+    p.add_argument("--cases", default="",
+                   help="only these cases, hdim:seqlen:causal joined by commas, "
+                        "e.g. 128:4096:0,256:8192:1")
     p.add_argument("--out", default="docs/benchmarks", help="folder for the CSV and the plot")
     p.add_argument("--peers", default="fa4,cudnn,xla",
                    help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla, det "
@@ -242,6 +256,8 @@ def main(argv=None):
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, {dev.platform} {dev.device_kind}", flush=True)
     cases = QUICK_CASES if args.quick else FULL_CASES
+    if args.cases:
+        cases = parse_cases(args.cases)
     rows = []
     have_fa4 = False
     if "fa4" in peers:

@@ -44,3 +44,11 @@ def test_det_peer_is_jax_fa4_with_a_deterministic_backward(monkeypatch):
     ba.jax_impls({"det"})["jax_fa4_det"](1, 2, 3, True)
     assert seen == {"causal": True, "implementation": "cute", "deterministic": True}
 
+
+
+def test_cases_option_picks_rows():
+    assert ba.parse_cases("128:4096:0,256:8192:1") == [(128, 4096, False), (256, 8192, True)]
+    with pytest.raises(ValueError, match="hdim:seqlen:causal"):
+        ba.parse_cases("128:4096")
+    with pytest.raises(ValueError, match="hdim:seqlen:causal"):
+        ba.parse_cases("128:4096:yes")

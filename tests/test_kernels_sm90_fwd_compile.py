@@ -259,3 +259,30 @@ def test_fwd_hdim256_persistent_o_in_q_compiles(tmp_path, causal):
     store = max(i for i, ln in enumerate(lines) if "UTMASTG" in ln)
     waits = [i for i, ln in enumerate(lines) if "DEPBAR.LE SB0, 0x0" in ln]
     assert any(store < w < store + 12 for w in waits), "O store not waited for in the loop"
+
+
+@pytest.mark.parametrize("prune,causal,steps", [(True, False, 1), (False, False, 2),
+                                                 (True, True, 2)])
+def test_fwd_prune_diagonal_loop_traces_one_step_less(monkeypatch, prune, causal, steps):
+    """Sm90FwdTiles.prune_diagonal_loop: a non-causal kernel leaves out the
+    diagonal-block loop (it never runs there), so the step is traced once per
+    trace instead of twice; causal kernels keep it. The table prunes at hdim 256,
+    whose compile is over the 3 s target, and not at 64 / 128."""
+    import dataclasses
+
+    assert fwd_tiles(256, 256, False).prune_diagonal_loop
+    assert not fwd_tiles(128, 128, False).prune_diagonal_loop
+    assert not fwd_tiles(64, 64, False).prune_diagonal_loop
+    traced = []
+    original = FlashFwdSm90._overlapped_step
+
+    def counting(self, *args, **kwargs):
+        traced.append(kwargs.get("mask_causal"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FlashFwdSm90, "_overlapped_step", counting)
+    tiles = dataclasses.replace(fwd_tiles(256, 256, causal), prune_diagonal_loop=prune)
+    assert "custom_call" in lower_fwd_sm90(jnp.bfloat16, 256, causal, tiles=tiles)
+    # cutlass_call traces the kernel twice (cache key, then compile).
+    assert len(traced) == 2 * steps, traced
+    assert traced.count(True) == (0 if prune and not causal else len(traced) // 2)
