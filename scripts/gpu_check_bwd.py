@@ -13,7 +13,9 @@ Timing: bf16, hdim 128 (B=4 S=4096 H=16) and 64 (B=2 S=8192 H=32), causal and no
 main kernel alone and with the jnp pre/post, against cuDNN's backward
 (jax.nn.dot_product_attention).
 
-Usage (device): python scripts/gpu_check_bwd.py [--quick] [--no-time]
+Usage (device): python scripts/gpu_check_bwd.py [--quick] [--no-time] [--rounds R]
+With --rounds R > 1 the variants' main kernels are also timed interleaved, R rounds
+(scripts/ab_timing.py), each against its own spread.
 Logs go to $OUT (or /tmp) as gpu_check_bwd.log; a short table is printed last.
 """
 
@@ -268,10 +270,41 @@ def timing(make_kcall, rows, variants, head_dims=(128, 64)):
                 time_one(kcall, causal, rows, variant, d)
 
 
+def timing_interleaved(make_kcall, rows, variants, head_dims, rounds):
+    """The main kernel of every variant, timed in alternating rounds (ab_timing)."""
+    from ab_timing import interleaved, summary
+
+    for d in head_dims:
+        b, s, h = (4, 4096, 16) if d == 128 else (2, 8192, 32)
+        ks = jax.random.split(jax.random.PRNGKey(11), 6)
+        q, k, v, do = [jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+                       for kk in ks[:4]]
+        for causal in (False, True):
+            calls = {}
+            for variant in dict.fromkeys(variants):  # each variant once, in order
+                pad_tile = q_tile_pad(d, causal, variant)
+                dpsum, lse = pad_stats(jax.random.normal(ks[4], (b, h, s), jnp.float32),
+                                       jax.random.normal(ks[5], (b, h, s), jnp.float32) + 10.0,
+                                       pad_tile)
+                kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
+                sqp = seqlen_q_padded(s, pad_tile)
+                main_only = jax.jit(lambda q, k, v, do, lse, dpsum, kcall=kcall, sqp=sqp: kcall(
+                    q, k, v, do, lse, dpsum, jnp.zeros((b, h, sqp, d), jnp.float32)))
+                calls[variant] = (lambda f=main_only, a=(q, k, v, do, lse, dpsum): f(*a))
+            times = interleaved(calls, jax.block_until_ready, rounds=rounds)
+            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+            for line in summary(times, flops):
+                rows.append((f"ab d{d} c{int(causal)} x{rounds}", line))
+                log.info("ab d%d causal=%s: %s", d, causal, line)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape per config")
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: also time the variants' main kernels in this many "
+                         "alternating rounds (scripts/ab_timing.py)")
     ap.add_argument("--no-export", action="store_true",
                     help="compile per shape through cutlass_call instead of one export")
     ap.add_argument("--seqlens", default=None,
@@ -355,6 +388,9 @@ def main():
     if not args.no_time:
         try:
             timing(make_kcall, rows, args.variants.split(","), hdims)
+            if args.rounds > 1:
+                timing_interleaved(make_kcall, rows, args.variants.split(","), hdims,
+                                   args.rounds)
         except Exception:
             log.exception("timing failed")
     print("\n==== sm90 bwd check (worst = err / (2*err_lowp + atol), must be <= 1) ====")

@@ -200,13 +200,17 @@ def main() -> int:
     )
     ap.add_argument("--wide", action="store_true", help="also time tile_n = 176")
     ap.add_argument("--no-check", action="store_true", help="timing only")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: also time the timed variants in this many alternating "
+                         "rounds (scripts/ab_timing.py), each against its own spread")
     ap.add_argument(
         "--tiles",
         default="",
         help="comma-separated tile variants of the timed head dim, each checked (bf16, short "
         "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs; "
         "causal: dynamic tile counter), lpt (longest-first tile order, causal only), "
-        "nopers / nolpt (those off), oq (persistent O in the Q buffer), joined with +",
+        "nopers / nolpt (those off), oq (persistent O in the Q buffer), prune / noprune "
+        "(non-causal: the diagonal loop left out / traced), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -253,7 +257,8 @@ def main() -> int:
         variants = [("wg2", wg2)]
     d_var = 64 if args.hdim64 else d_main
     knobs = {"pers": ("persistent", True), "nopers": ("persistent", False),
-             "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False)}
+             "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False),
+             "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False)}
 
     def tile_variant(spec):
         over = {}
@@ -349,6 +354,26 @@ def main() -> int:
                     log.error(
                         "timing %s causal=%s EXCEPTION\n%s", vname, causal, traceback.format_exc()
                     )
+        if args.rounds > 1:
+            from ab_timing import interleaved, summary
+
+            b_, s_, h_ = size["b"], size["s"], size["h"]
+            ks = jax.random.split(jax.random.PRNGKey(3), 3)
+            q, k, v = (jax.random.normal(kk, (b_, s_, h_, d_t), jnp.float32).astype(jnp.bfloat16)
+                       for kk in ks)
+            for causal in (False, True):
+                calls = {}
+                for vname, over, _ in timed:
+                    tiles = resolve(over, d_t, causal)
+                    if tiles is False:
+                        continue
+                    f = fwd_call(jnp.bfloat16, d_t, causal, (b_, s_, s_, h_, h_), poison=False,
+                                 tiles=tiles)
+                    calls[vname] = (lambda f=f: f(q, k, v))
+                times = interleaved(calls, jax.block_until_ready, rounds=args.rounds)
+                flops = 4 * b_ * h_ * s_ * s_ * d_t / (2 if causal else 1)
+                for line in summary(times, flops):
+                    log.info("ab causal=%s x%d: %s", causal, args.rounds, line)
     log.info("")
     log.info("correctness: %d checks, %d failed", len(rows), n_fail)
     if perf:

@@ -1,0 +1,64 @@
+"""Interleaved A/B timing of kernel variants in one process (scripts/gpu_check_*.py
+--rounds).
+
+On the H200 one kernel timed twice in a row in one process read 518 and 542 TFLOP/s
+(docs/performance.md, seventh session): more than most changes being measured. So
+the variants are timed in rounds, A B C then C B A and so on, each round
+`inner` back-to-back calls synchronised once, and each variant's median over the
+rounds is compared with its own spread (METHOD.md: a difference smaller than the
+spread of one version is noise).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+
+def interleaved(calls: Mapping[str, Callable[[], object]], sync: Callable[[object], object],
+                rounds: int = 7, inner: int = 20, warmup: int = 3,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one entry per round.
+
+    calls: name -> a function launching one step (asynchronously) and returning
+    its outputs; sync(outputs) waits for the device. Rounds alternate the order
+    (forward, then reversed), so that no variant always runs first or last.
+    """
+    if rounds < 1 or inner < 1:
+        raise ValueError("rounds and inner must be positive")
+    for f in calls.values():
+        for _ in range(warmup):
+            sync(f())
+    names = list(calls)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names if r % 2 == 0 else reversed(names):
+            f = calls[n]
+            t0 = clock()
+            outs = [f() for _ in range(inner)]
+            sync(outs)
+            times[n].append((clock() - t0) / inner)
+    return times
+
+
+def summary(times: Mapping[str, list[float]], flops: float) -> list[str]:
+    """One line per variant: median TFLOP/s, the range over rounds as a percentage of
+    the median, and the median's ratio to the first variant's. A ratio inside both
+    ranges is marked as noise."""
+    names = list(times)
+    base = statistics.median(times[names[0]])
+    base_spread = (max(times[names[0]]) - min(times[names[0]])) / base
+    lines = []
+    for n in names:
+        ts = times[n]
+        med = statistics.median(ts)
+        spread = (max(ts) - min(ts)) / med
+        ratio = base / med  # > 1: faster than the first variant
+        noise = abs(ratio - 1) <= max(spread, base_spread)
+        lines.append(f"{n:24s} {flops / med / 1e12:7.1f} TF/s  range {100 * spread:4.1f}%  "
+                     f"x first {ratio:.3f}{' (noise)' if noise and n != names[0] else ''}")
+    return lines
+
+
+__all__ = ["interleaved", "summary"]
