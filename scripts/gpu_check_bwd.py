@@ -66,6 +66,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, lse_early=knob == "lse")
         elif knob in ("dps", "nodps"):  # Dpsum loaded before / after the dP^T wait
             tiles = dataclasses.replace(tiles, dpsum_early=knob == "dps")
+        elif knob in ("dvwait", "nodvwait"):  # dV done before dK is issued, or not
+            tiles = dataclasses.replace(tiles, dv_done_before_dk=knob == "dvwait")
         elif knob != "default":
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -316,6 +318,7 @@ def main():
                          "flat / tma (dQ in flat order by bulk reduce / row-major by TMA "
                          "tensor reduce), lse / nolse (LSElog2 loaded before S^T / after "
                          "dP^T), dps / nodps (Dpsum loaded before / after the dP^T wait), "
+                         "dvwait / nodvwait (dK issued after dV is done / at once), "
                          "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")

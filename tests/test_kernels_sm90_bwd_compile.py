@@ -245,3 +245,30 @@ def test_deterministic_order_is_a_deadlock_free_permutation(causal, sq, sk, tile
             assert launch[prev] < launch[n]
             if causal:  # steps into its walk (which starts at n * tile_n // tile_m)
                 assert m - prev * tile_n // tile_m <= m - n * tile_n // tile_m
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_dv_done_before_dk_knob(tmp_path, head_dim):
+    """BwdTiles.dv_done_before_dk (flash-attn-4's order, not yet timed): one more
+    partial wgmma wait per block, between the dQ GEMM and dK's register-A GEMM,
+    and still no spills or serialised wgmmas."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    counts = {}
+    for knob in (False, True):
+        tiles = dataclasses.replace(bwd_tiles(head_dim, False), dv_done_before_dk=knob)
+        dump = tmp_path / str(knob)
+        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
+        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, False,
+                                           head_dim**-0.5, tiles=t),
+              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
+        sass = dumped_sass(dump)
+        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+        counts[knob] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass))
+    assert counts[True] == counts[False] + 1, counts
