@@ -90,6 +90,7 @@ def test_padded_rows_cover_whole_query_tiles(seqlen):
 
     plain = seqlen_q_padded(seqlen)
     assert plain == -(-seqlen // SEQLEN_Q_PAD) * SEQLEN_Q_PAD
+    assert seqlen_q_padded(seqlen, 64) == seqlen_q_padded(seqlen, 128) == plain
     odd = seqlen_q_padded(seqlen, 80)
     assert odd % SEQLEN_Q_PAD == 0 and odd >= -(-seqlen // 80) * 80
     assert odd - plain in (0, SEQLEN_Q_PAD)  # at most one more 128-row block

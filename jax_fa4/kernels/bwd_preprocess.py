@@ -53,7 +53,8 @@ def bwd_workspace_shapes(
     Args:
       batch, seqlen_q, heads_q: B, Sq, Hq of the query.
       head_dim: D, the query/key head dim (dQ has this width).
-      tile_m: the main kernel's query tile, where it does not divide 128.
+      tile_m: the main kernel's query tile, if known; only one that does not
+        divide 128 (80) changes Sq_pad.
 
     Returns:
       name -> (shape, dtype) for

@@ -91,8 +91,11 @@ def unflatten_dq_accum(acc, tile_m: int, num_wg: int = 2):
     out = blocks[..., inverse].reshape(b, h, whole, d)
     if whole == s_pad:
         return out
-    xp = np if isinstance(acc, np.ndarray) else __import__("jax.numpy", fromlist=["x"])
-    return xp.concatenate([out, acc[:, :, whole:]], axis=2)
+    if isinstance(acc, np.ndarray):
+        return np.concatenate([out, acc[:, :, whole:]], axis=2)
+    import jax.numpy as jnp
+
+    return jnp.concatenate([out, acc[:, :, whole:]], axis=2)
 
 
 __all__ = ["flat_dq_rowcol", "unflatten_dq_accum"]

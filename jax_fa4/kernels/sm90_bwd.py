@@ -235,12 +235,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         mma_dv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, (wg, 1, 1), (64, dv),
             a_source=warpgroup.OperandSource.RMEM)
-        if self.dq_swap:
-            # dQ^T = K^T dS^T: A = K^T (d x tile_n) MN-major, B = dS (tile_m x
-            # tile_n) K-major; warpgroup w owns dQ columns [64w, 64w + 64).
-            return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
-        # dQ = dS K: A = dS (tile_m x tile_n) MN-major (SMEM holds dS^T),
-        # B = K^T (d x tile_n) MN-major.
+        # dQ = dS K: A = dS (tile_m x tile_n) MN-major (SMEM holds dS^T), B = K^T
+        # (d x tile_n) MN-major; with dq_swap dQ^T = K^T dS^T: A = K^T MN-major,
+        # B = dS K-major, warpgroup w owning dQ columns [64w, 64w + 64).
         return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
 
     def _dq_part(self) -> tuple[int, int]:

@@ -152,10 +152,8 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     b, sq, hq, d = q.shape
     if b == 0 or hq == 0:  # no query attends to K and V: their gradients are zero
         return tuple(jax.numpy.zeros(x.shape, x.dtype) for x in (q, k, v))
-    flat_tile = _flat_dq_tile_m(arch, d, config.causal)
-    # An 80-row query tile's last flat block may reach past round_up(Sq, 128).
-    ws = bwd_workspace_shapes(b, sq, hq, d,
-                              tile_m=flat_tile if flat_tile and flat_tile % 64 else None)
+    # An 80-row flat query tile's last block may reach past round_up(Sq, 128).
+    ws = bwd_workspace_shapes(b, sq, hq, d, tile_m=_flat_dq_tile_m(arch, d, config.causal))
     ws_structs = tuple(
         jax.ShapeDtypeStruct(ws[name][0], ws[name][1]) for name in ("Dpsum", "LSElog2", "dQaccum")
     )
