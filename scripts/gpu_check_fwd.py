@@ -108,11 +108,11 @@ def reference(q, k, v, causal: bool, scale: float, dtype):
 def resolve(overrides, d: int, causal: bool):
     """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
     for this head dim and mask); None for the default; False where the variant
-    does not serve the mask (lpt: causal only)."""
+    does not serve the mask (lpt, merge: causal only)."""
     if overrides is None:
         return None
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
-    if tiles.lpt and not causal:
+    if (tiles.lpt or tiles.merge_diagonal_loop) and not causal:
         return False
     return tiles
 
@@ -210,7 +210,8 @@ def main() -> int:
         "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs; "
         "causal: dynamic tile counter), lpt (longest-first tile order, causal only), "
         "nopers / nolpt (those off), oq (persistent O in the Q buffer), prune / noprune "
-        "(non-causal: the diagonal loop left out / traced), joined with +",
+        "(non-causal: the diagonal loop left out / traced), merge (causal: one loop, "
+        "masking by a run-time test), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -258,7 +259,8 @@ def main() -> int:
     d_var = 64 if args.hdim64 else d_main
     knobs = {"pers": ("persistent", True), "nopers": ("persistent", False),
              "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False),
-             "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False)}
+             "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False),
+             "merge": ("merge_diagonal_loop", True)}
 
     def tile_variant(spec):
         over = {}

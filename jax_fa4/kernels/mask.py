@@ -52,22 +52,36 @@ class TileMask:
         n_block: Int32,
         mask_seqlen: cutlass.Constexpr[bool],
         mask_causal: cutlass.Constexpr[bool],
+        when=None,
     ) -> None:
         """Set masked entries of acc_S ((2, 2, V), MMA_M, MMA_N fp32) to -inf.
 
         mask_seqlen: mask keys >= seqlen_k (only the last KV block needs it).
         mask_causal: mask keys after the query (only diagonal blocks need it).
+        when: a run-time Boolean: mask only where it holds (one uniform branch;
+        the sm90 forward's merge_diagonal_loop).
         """
         s_mn = acc_mn_view(acc_S)
-        n_rows = cute.size(s_mn, mode=[0])
-        n_cols = cute.size(s_mn, mode=[1])
         col_offset = self.t_coord[0][1]
-        cols0 = self.t0_cols(n_cols)
-        neg_inf = -Float32.inf
+        cols0 = self.t0_cols(cute.size(s_mn, mode=[1]))
         # Limits on thread 0's column index, shifted by this thread's offset.
         # Element-wise arith.select (cutlass.select_), not `a if c else b`, which
         # the DSL traces as an scf.if region per element for the compiler to fold.
         seqlen_limit = self.seqlen_k - n_block * self.tile_n - col_offset
+        if cutlass.const_expr(when is not None):
+            if when:
+                self._select(s_mn, cols0, col_offset, seqlen_limit, m_block, n_block,
+                             mask_seqlen, mask_causal)
+        else:
+            self._select(s_mn, cols0, col_offset, seqlen_limit, m_block, n_block, mask_seqlen,
+                         mask_causal)
+
+    @cute.jit
+    def _select(self, s_mn, cols0, col_offset, seqlen_limit, m_block, n_block,
+                mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool]):
+        n_rows = cute.size(s_mn, mode=[0])
+        n_cols = cute.size(s_mn, mode=[1])
+        neg_inf = -Float32.inf
         if cutlass.const_expr(mask_causal):
             for r in cutlass.range_constexpr(n_rows):
                 row = self.t_coord[r, 0][0] + m_block * self.tile_m
