@@ -25,9 +25,9 @@ def main():
     ap.add_argument("--shape", default="4,4096,16,128", help="B,S,H,D")
     args = ap.parse_args()
 
+    import flash_attn.cute.interface as fi
     import torch
     from bench_attention import import_fa4_func, time_calls
-    import flash_attn.cute.interface as fi
 
     b, s, h, d = (int(x) for x in args.shape.split(","))
     flops = 2.5 * 4 * b * h * s * s * d / (2 if args.causal else 1)
@@ -46,8 +46,8 @@ def main():
         out = out[0] if isinstance(out, tuple) else out
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        t = time_calls(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                       sync, args.iters)
+        t = time_calls(lambda out=out, dout=dout: torch.autograd.grad(
+            out, (q, k, v), dout, retain_graph=True), sync, args.iters)
         print(f"flash-attn-4 bwd tile_m={tile_m} causal={args.causal}: {t * 1e3:.3f} ms "
               f"{flops / t / 1e12:.0f} TF/s (cfg {patched(d, d, args.causal, False)})",
               flush=True)

@@ -290,8 +290,9 @@ def timing_interleaved(make_kcall, rows, variants, head_dims, rounds):
                                        pad_tile)
                 kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
                 sqp = seqlen_q_padded(s, pad_tile)
-                main_only = jax.jit(lambda q, k, v, do, lse, dpsum, kcall=kcall, sqp=sqp: kcall(
-                    q, k, v, do, lse, dpsum, jnp.zeros((b, h, sqp, d), jnp.float32)))
+                shape = (b, h, sqp, d)
+                main_only = jax.jit(lambda q, k, v, do, lse, dpsum, kcall=kcall, shape=shape: kcall(
+                    q, k, v, do, lse, dpsum, jnp.zeros(shape, jnp.float32)))
                 calls[variant] = (lambda f=main_only, a=(q, k, v, do, lse, dpsum): f(*a))
             times = interleaved(calls, jax.block_until_ready, rounds=rounds)
             flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)

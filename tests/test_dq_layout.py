@@ -80,7 +80,8 @@ def test_unflatten_keeps_the_rows_past_the_last_80_row_tile():
     dense = rng.standard_normal((1, 1, s_pad, 128)).astype(np.float32)
     rows, cols = flat_dq_rowcol(80, 128)
     flat = dense.copy()
-    flat[0, 0, :52 * 80] = dense[0, 0, :52 * 80].reshape(52, 80, 128)[:, rows, cols].reshape(-1, 128)
+    tiles = dense[0, 0, :52 * 80].reshape(52, 80, 128)
+    flat[0, 0, :52 * 80] = tiles[:, rows, cols].reshape(-1, 128)
     np.testing.assert_array_equal(unflatten_dq_accum(flat, 80), dense)
 
 

@@ -176,7 +176,7 @@ def test_bwd_sass(tmp_path, head_dim, causal):
     tiles = bwd_tiles(head_dim, causal)
     assert tiles.dq_flat
     stores = tiles.tile_m * head_dim // 256 // 4  # 4 floats per 128-bit store
-    assert len(re.findall(r"\bSTS\.128\b", sass)) == stores, "the dQ partial lost its 128-bit stores"
+    assert len(re.findall(r"\bSTS\.128\b", sass)) == stores, "the dQ partial lost its STS.128"
     assert not re.findall(r"\bSTS\.64\b", sass), "64-bit SMEM stores are back"
     assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 2, "one bulk reduce per part"
     assert "UTMAREDG" not in sass, "the dQ partial went back to a TMA tensor reduce"

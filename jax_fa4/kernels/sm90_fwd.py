@@ -907,6 +907,9 @@ class FlashFwdSm90:
         def to_p(acc_S):
             convert_to_operand_a(acc_S, tOrP, self.dtype)
 
+        # What every step takes after (state, n_block).
+        step_args = (m_block, qk, pv, to_p, softmax, mask, acc_O, pipe_k, pipe_v)
+
         if cutlass.const_expr(self.tiles.intra_wg_overlap):
             # First block: S, softmax, P; its P V is issued with the next S.
             pipe_k.consumer_wait(state)
@@ -921,54 +924,18 @@ class FlashFwdSm90:
             if cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
                 # Blocks n_last - 1 down to 0; those >= n_causal touch the diagonal.
                 for i in cutlass.range(n_last, unroll=1):
-                    state = self._overlapped_step(
-                        state,
-                        n_last - 1 - i,
-                        m_block,
-                        qk,
-                        pv,
-                        to_p,
-                        softmax,
-                        mask,
-                        acc_O,
-                        pipe_k,
-                        pipe_v,
-                        mask_causal=True,
-                        mask_if=n_last - 1 - i >= n_causal,
-                    )
+                    state = self._overlapped_step(state, n_last - 1 - i, *step_args,
+                                                  mask_causal=True,
+                                                  mask_if=n_last - 1 - i >= n_causal)
             else:
                 # Diagonal blocks (none non-causal: n_causal = n_last).
                 if cutlass.const_expr(self.causal or not self.tiles.prune_diagonal_loop):
                     for i in cutlass.range(n_last - n_causal, unroll=1):
-                        state = self._overlapped_step(
-                            state,
-                            n_last - 1 - i,
-                            m_block,
-                            qk,
-                            pv,
-                            to_p,
-                            softmax,
-                            mask,
-                            acc_O,
-                            pipe_k,
-                            pipe_v,
-                            mask_causal=True,
-                        )
+                        state = self._overlapped_step(state, n_last - 1 - i, *step_args,
+                                                      mask_causal=True)
                 for i in cutlass.range(n_causal, unroll=1):
-                    state = self._overlapped_step(
-                        state,
-                        n_causal - 1 - i,
-                        m_block,
-                        qk,
-                        pv,
-                        to_p,
-                        softmax,
-                        mask,
-                        acc_O,
-                        pipe_k,
-                        pipe_v,
-                        mask_causal=False,
-                    )
+                    state = self._overlapped_step(state, n_causal - 1 - i, *step_args,
+                                                  mask_causal=False)
             if cutlass.const_expr(self.own_o):
                 # Every S = Q K^T of this tile is done: the next tile's Q may load.
                 pipe_q.consumer_release(q_state)
@@ -982,56 +949,16 @@ class FlashFwdSm90:
             pipe_v.consumer_release(state)
             state.advance()
         else:
-            state = self._serial_step(
-                state,
-                n_last,
-                m_block,
-                qk,
-                pv,
-                to_p,
-                softmax,
-                mask,
-                acc_O,
-                pipe_k,
-                pipe_v,
-                mask_seqlen=True,
-                mask_causal=self.causal,
-                is_first=True,
-            )
+            state = self._serial_step(state, n_last, *step_args, mask_seqlen=True,
+                                      mask_causal=self.causal, is_first=True)
             # Diagonal blocks, as above.
             if cutlass.const_expr(self.causal or not self.tiles.prune_diagonal_loop):
                 for i in cutlass.range(n_last - n_causal, unroll=1):
-                    state = self._serial_step(
-                        state,
-                        n_last - 1 - i,
-                        m_block,
-                        qk,
-                        pv,
-                        to_p,
-                        softmax,
-                        mask,
-                        acc_O,
-                        pipe_k,
-                        pipe_v,
-                        mask_seqlen=False,
-                        mask_causal=True,
-                    )
+                    state = self._serial_step(state, n_last - 1 - i, *step_args,
+                                              mask_seqlen=False, mask_causal=True)
             for i in cutlass.range(n_causal, unroll=1):
-                state = self._serial_step(
-                    state,
-                    n_causal - 1 - i,
-                    m_block,
-                    qk,
-                    pv,
-                    to_p,
-                    softmax,
-                    mask,
-                    acc_O,
-                    pipe_k,
-                    pipe_v,
-                    mask_seqlen=False,
-                    mask_causal=False,
-                )
+                state = self._serial_step(state, n_causal - 1 - i, *step_args,
+                                          mask_seqlen=False, mask_causal=False)
 
             if cutlass.const_expr(self.own_o):
                 pipe_q.consumer_release(q_state)
