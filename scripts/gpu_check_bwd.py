@@ -68,6 +68,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dpsum_early=knob == "dps")
         elif knob in ("dvwait", "nodvwait"):  # dV done before dK is issued, or not
             tiles = dataclasses.replace(tiles, dv_done_before_dk=knob == "dvwait")
+        elif knob in ("lpt", "nolpt"):  # causal launch order: LPT sections / per head
+            tiles = dataclasses.replace(tiles, lpt=knob == "lpt")
         elif knob != "default":
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -218,9 +220,15 @@ def bench(fn, args, iters=20, samples=7):
     return float(np.median(ts))
 
 
+# Timed problems, (B, S, H) per head dim (--time-size overrides), and the masks timed
+# (--causal-only).
+TIME_SIZE = {128: (4, 4096, 16), 64: (2, 8192, 32)}
+TIME_CAUSAL = (False, True)
+
+
 def time_one(kcall, causal, rows, variant, d=128):
     # The benchmark family: 16k tokens, hidden 2048.
-    b, s, h = (4, 4096, 16) if d == 128 else (2, 8192, 32)
+    b, s, h = TIME_SIZE[d]
     dtype = jnp.bfloat16
     scale = 1.0 / math.sqrt(d)
     ks = jax.random.split(jax.random.PRNGKey(7), 4)
@@ -267,7 +275,7 @@ def time_one(kcall, causal, rows, variant, d=128):
 def timing(make_kcall, rows, variants, head_dims=(128, 64)):
     for d in head_dims:
         for variant in variants:
-            for causal in (False, True):
+            for causal in TIME_CAUSAL:
                 kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
                 time_one(kcall, causal, rows, variant, d)
 
@@ -277,11 +285,11 @@ def timing_interleaved(make_kcall, rows, variants, head_dims, rounds):
     from ab_timing import interleaved, summary
 
     for d in head_dims:
-        b, s, h = (4, 4096, 16) if d == 128 else (2, 8192, 32)
+        b, s, h = TIME_SIZE[d]
         ks = jax.random.split(jax.random.PRNGKey(11), 6)
         q, k, v, do = [jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
                        for kk in ks[:4]]
-        for causal in (False, True):
+        for causal in TIME_CAUSAL:
             calls = {}
             for variant in dict.fromkeys(variants):  # each variant once, in order
                 pad_tile = q_tile_pad(d, causal, variant)
@@ -320,11 +328,17 @@ def main():
                          "tensor reduce), lse / nolse (LSElog2 loaded before S^T / after "
                          "dP^T), dps / nodps (Dpsum loaded before / after the dP^T wait), "
                          "dvwait / nodvwait (dK issued after dV is done / at once), "
+                         "lpt / nolpt (causal launch order: LPT sections / per head), "
                          "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")
     ap.add_argument("--hdims", default="128,64", help="head dims to check and time")
+    ap.add_argument("--time-size", default=None,
+                    help="B,S,H of the timed problem for every head dim (e.g. 16,1024,16, "
+                         "the benchmark's 1k row) instead of the defaults")
+    ap.add_argument("--causal-only", action="store_true",
+                    help="check and time the causal mask only")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop starting new correctness cases after this many seconds")
     args = ap.parse_args()
@@ -345,10 +359,16 @@ def main():
     all_seqlens = seqlens
     plan = []  # (variant, dtype, d, causal, seqlens)
     hdims = tuple(int(x) for x in args.hdims.split(","))
+    global TIME_CAUSAL
+    if args.time_size:
+        size = tuple(int(x) for x in args.time_size.split(","))
+        TIME_SIZE.update({d: size for d in hdims})
+    if args.causal_only:
+        TIME_CAUSAL = (True,)
     for variant in args.variants.split(","):
         for dtype in (jnp.bfloat16, jnp.float16):
             for d in hdims:
-                for causal in (False, True):
+                for causal in TIME_CAUSAL:
                     sl = all_seqlens
                     if args.final and variant != args.variants.split(",")[0]:
                         # Second variant: its own structure, on fewer shapes.

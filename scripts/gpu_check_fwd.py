@@ -210,7 +210,7 @@ def main() -> int:
         "shapes) and timed: n<N> (tile_n N), st<S> (K/V stages S), pers (persistent CTAs; "
         "causal: dynamic tile counter), lpt (longest-first tile order, causal only), "
         "nopers / nolpt (those off), oq (persistent O in the Q buffer), prune / noprune "
-        "(non-causal: the diagonal loop left out / traced), merge (causal: one loop, "
+        "(non-causal: the diagonal loop left out / traced), merge / nomerge (causal: one loop, "
         "masking by a run-time test), joined with +",
     )
     ap.add_argument(
@@ -260,7 +260,8 @@ def main() -> int:
     knobs = {"pers": ("persistent", True), "nopers": ("persistent", False),
              "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False),
              "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False),
-             "merge": ("merge_diagonal_loop", True)}
+             "merge": ("merge_diagonal_loop", True), "pin": ("pin_pv_wait", True),
+             "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False)}
 
     def tile_variant(spec):
         over = {}

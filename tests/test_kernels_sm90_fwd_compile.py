@@ -281,23 +281,47 @@ def test_fwd_prune_diagonal_loop_traces_one_step_less(monkeypatch, prune, causal
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FlashFwdSm90, "_overlapped_step", counting)
-    tiles = dataclasses.replace(fwd_tiles(256, 256, causal), prune_diagonal_loop=prune)
+    tiles = dataclasses.replace(fwd_tiles(256, 256, causal), prune_diagonal_loop=prune,
+                                merge_diagonal_loop=False)
     assert "custom_call" in lower_fwd_sm90(jnp.bfloat16, 256, causal, tiles=tiles)
     # cutlass_call traces the kernel twice (cache key, then compile).
     assert len(traced) == 2 * steps, traced
     assert traced.count(True) == (0 if prune and not causal else len(traced) // 2)
 
 
+def exp2s_under_pv(sass: str) -> list[int]:
+    """For each wait for S alone (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the P V wgmma
+    still in flight), the number of exp2s before the following wait for P V
+    (``0x0``): the softmax work that overlaps P V (Note [P V wait])."""
+    lines = sass.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+            for later in lines[i + 1:]:
+                if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
+                    break
+                n += "MUFU.EX2" in later
+            out.append(n)
+    return out
+
+
 @pytest.mark.parametrize("d", [128, 256])
-def test_fwd_merge_diagonal_loop_knob(tmp_path, monkeypatch, d):
-    """Sm90FwdTiles.merge_diagonal_loop (causal; compiled, not yet run on the GPU):
-    every block after the first goes through one loop whose step masks by a
-    run-time test, so the step is traced once instead of twice (the causal
-    compile was 15-32% faster on the CPU machine, docs/performance.md) and its
-    GEMMs appear in the SASS once less, with no spills."""
+def test_fwd_merge_diagonal_loop_and_pin_pv_wait(tmp_path, monkeypatch, d):
+    """Sm90FwdTiles.merge_diagonal_loop (causal): every block after the first goes
+    through one loop whose step masks by a run-time test, so the step is traced
+    once instead of twice (the causal compile was 15-32% faster on the CPU
+    machine, docs/performance.md) and its GEMMs appear in the SASS once less, with
+    no spills. Alone, ptxas puts the P V wait at the branch join, above every
+    exp2; pin_pv_wait keeps all of the step's exp2s above it (Note [P V wait]).
+    The table merges and pins at hdim 256 causal only."""
     import dataclasses
     import re
 
+    assert fwd_tiles(256, 256, True).merge_diagonal_loop and fwd_tiles(256, 256, True).pin_pv_wait
+    for dd, causal in ((256, False), (128, True), (128, False), (64, True)):
+        t = fwd_tiles(dd, dd, causal)
+        assert not (t.merge_diagonal_loop or t.pin_pv_wait), (dd, causal)
     traced = []
     original = FlashFwdSm90._overlapped_step
 
@@ -306,15 +330,22 @@ def test_fwd_merge_diagonal_loop_knob(tmp_path, monkeypatch, d):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FlashFwdSm90, "_overlapped_step", counting)
-    hgmma = {}
-    for merge in (False, True):
+    hgmma, under = {}, {}
+    for merge, pin in ((False, False), (True, False), (True, True)):
         traced.clear()
-        tiles = dataclasses.replace(fwd_tiles(d, d, True), merge_diagonal_loop=merge)
-        dump = tmp_path / str(merge)
+        tiles = dataclasses.replace(fwd_tiles(d, d, True), merge_diagonal_loop=merge,
+                                    pin_pv_wait=pin)
+        dump = tmp_path / f"{merge}{pin}"
         assert "custom_call" in lower_fwd_sm90(jnp.bfloat16, d, True, tiles=tiles,
                                                compile_options=dump_options(dump))
         assert traced == ([True] * 2 if merge else [False] * 4), traced  # two traces each
         sass = dumped_sass(dump)
         assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
-        hgmma[merge] = len(re.findall(r"\bHGMMA\.", sass))
-    assert hgmma[True] < hgmma[False], hgmma  # one step body's GEMMs less
+        hgmma[merge, pin] = len(re.findall(r"\bHGMMA\.", sass))
+        under[merge, pin] = exp2s_under_pv(sass)
+    assert hgmma[True, True] == hgmma[True, False] < hgmma[False, False], hgmma
+    # Each step's exp2s: 2 per score pair over tile_n columns, plus the row scales.
+    per_step = {128: 66, 256: 42}[d]
+    assert under[True, False] == [0], under  # the wait lands at the join
+    assert under[True, True] == [per_step], under
+    assert 0 < min(under[False, False]) < per_step, under  # ptxas hoists it part way

@@ -75,6 +75,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_mma_shape, dq_tiled_mma
+from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,19 @@ class BwdTiles:
     # Wait for the dV GEMM (issued before the dS barrier) to finish before issuing
     # dK, after dQ, as flash-attn-4 orders them. Without it, dK's register-A wgmma
     # is issued at once and its issue stalls: 11% of the stall samples at hdim 128
-    # against 7% for flash-attn-4 (ncu, seventh session). Compiled, not yet timed.
+    # against 7% for flash-attn-4 (ncu, seventh session). In the table at hdim 64
+    # causal, the one configuration where it measured faster.
     dv_done_before_dk: bool = False
+    # Causal, not deterministic: launch the key blocks in FA4's forward LPT order
+    # (``lpt_tile``) over a 1-D grid: in sections of as many KV heads as keep their
+    # Q, dO and dQ accumulator in L2, key block 0 (the most query blocks) of every
+    # head of the section first, then key block 1, and so on. The default grid runs
+    # every key block of one head before the next head, as flash-attn-4 does.
+    lpt: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
-# lse_early, dpsum_early).
+# lse_early, dpsum_early, dv_done_before_dk).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
 # queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
@@ -135,11 +143,13 @@ class BwdTiles:
 # causal) / 8% (causal); at hdim 64 issuing dV after dS^T removed the wgmma
 # serialisation (+21%), the per-warpgroup hand-off then gained 2-5%, and the flat
 # dQ order measured level (+0.5%). lse_early / dpsum_early: "v5" in the log.
+# dv_done_before_dk: +2.7% at hdim 64 causal (9 alternating rounds and a single
+# timing agree), level elsewhere (eighth session).
 _TILE_TABLE = {
-    (64, False): (128, True, False, True, False, False),
-    (64, True): (128, True, False, True, False, False),
-    (128, False): (64, True, False, True, True, True),
-    (128, True): (64, True, False, True, True, True),
+    (64, False): (128, True, False, True, False, False, False),
+    (64, True): (128, True, False, True, False, False, True),
+    (128, False): (64, True, False, True, True, True, False),
+    (128, True): (64, True, False, True, True, True, False),
 }
 
 
@@ -155,11 +165,22 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
-    tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early = _TILE_TABLE[
-        (head_dim, bool(causal))]
+    tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk = (
+        _TILE_TABLE[(head_dim, bool(causal))])
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
-                    lse_early=lse_early, dpsum_early=dpsum_early)
+                    lse_early=lse_early, dpsum_early=dpsum_early,
+                    dv_done_before_dk=dv_done_before_dk, lpt=causal and head_dim == 128)
+
+
+def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
+    """(n_block, kv head, batch) of CTA t in the backward's LPT order
+    (``BwdTiles.lpt``): ``lpt_tile``'s order with key block 0, the one with the
+    most query blocks under the causal mask, first. Plain ints (tests) or DSL
+    integers."""
+    last_first, head, batch = lpt_tile(t, num_n_blocks, num_kv_heads, num_hb, section,
+                                       minimum)
+    return num_n_blocks - 1 - last_first, head, batch
 
 
 def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
@@ -217,6 +238,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         if deterministic and not t.dq_flat:
             raise ValueError("the deterministic backward orders the flat dQ reduces "
                              "(BwdTiles.dq_flat)")
+        # The deterministic backward has its own launch order (det_key_block).
+        self.lpt = t.lpt and causal and not deterministic
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -332,6 +355,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         self.check_smem(SharedStorage)
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        if const_expr(self.lpt):
+            grid = (num_n_blocks * cute.size(mK.shape[2]) * cute.size(mK.shape[3]), 1, 1)
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
             mdQsem, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV,
@@ -344,6 +369,20 @@ class FlashBwdSm90(Sm90BwdCommon):
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def lpt_coord(self, t, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
+        """(n_block, kv head, batch) of CTA t in the LPT order (``BwdTiles.lpt``)."""
+        num_kv_heads = mK.shape[2]
+        group = mQ.shape[2] // num_kv_heads
+        # What one query block of one q head keeps in L2: Q, dO, the fp32 dQ
+        # partials and the two row statistics.
+        q_block_bytes = self.tile_m * ((self.head_dim + self.head_dim_v) * (self.dtype.width // 8)
+                                       + 4 * self.head_dim + 8)
+        section = lpt_section_size(
+            cute.ceil_div(mQ.shape[0], self.tile_m) * group, 1, q_block_bytes,
+            lambda c, a, b: cutlass.select_(c, cutlass.Int32(a), b), cutlass.Int32(1))
+        return lpt_key_block(t, num_n_blocks, num_kv_heads, num_kv_heads * mK.shape[3],
+                             section, cutlass.min)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -387,6 +426,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        if const_expr(self.lpt):
+            n_block, head_kv, batch = self.lpt_coord(n_block, num_n_blocks, mQ, mK)
         if const_expr(self.deterministic):
             # Causal, key blocks launch last first: each waits only on higher key
             # blocks (store_dq_flat), which have then launched before it.

@@ -65,6 +65,23 @@ _THREADS_PER_WG = 128
 # The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
 _SM90_MAX_SMEM_BYTES = 227 * 1024
 
+# Note [P V wait]
+# ~~~~~~~~~~~~~~
+# With intra-warpgroup overlap a step issues S_n = Q K_n and O += P_(n+1) V_(n+1),
+# waits for S_n only, and runs S_n's softmax while the P V wgmma is still in
+# flight; the PTX waits for P V (wgmma.wait_group 0) after the softmax, just
+# before P_n overwrites the registers that wgmma reads. ptxas moves that wait up
+# within its basic block: in the table's kernels it lands after 32 of the 66 exp2s
+# (hdim 128) or after 6-10 of 42 (hdim 256). When a branch joins just before the
+# softmax (merge_diagonal_loop's run-time mask test), the join starts the block and
+# the wait lands before every exp2: P V no longer overlaps the softmax, and the
+# merged loop measured 0.92x (hdim 128) / 0.94x (hdim 64) on the H200.
+# pin_pv_wait ends the block after the exp2s with a branch that is never taken
+# (on a row scale < 0; its body is a warp sync, so LLVM keeps it), and the wait
+# stays below them. On its own it measured level: the P V wgmma is mostly done
+# by the point ptxas picked. At hdim 64 ptxas sinks the exp2s below the branch
+# and the pin has no effect.
+
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
 _BAR_SCHED_WG1 = 2  # consumer warpgroup w waits on _BAR_SCHED_WG1 + w
@@ -114,8 +131,18 @@ class Sm90FwdTiles:
     # separate loop for the diagonal blocks. The step is traced once instead of
     # twice: the causal compile took 2.19 s instead of 3.23 at hdim 256, 1.86
     # instead of 2.14 at 128, 1.28 instead of 1.51 at 64 (min of 4, CPU machine).
-    # Each block pays one uniform branch. Compiled, not yet run on the GPU.
+    # Alone it is slower on the H200 (0.92x at hdim 128, 0.94x at 64, 0.99x at
+    # 256): ptxas then issues the P V wait right after the branch, before every
+    # exp2 (Note [P V wait]). With pin_pv_wait it measured level at hdim 256
+    # (0.999x, 9 alternating rounds) and 0.98x at 128. In the table at hdim 256
+    # causal, with pin_pv_wait, for that head dim's compile time.
     merge_diagonal_loop: bool = False
+    # With intra-warpgroup overlap: keep ptxas from hoisting the wait for the
+    # in-flight P V wgmma above the softmax's exp2s (Note [P V wait]). Level on its
+    # own (0.99-1.005x at hdim 128 / 256, eighth session); needed by
+    # merge_diagonal_loop. No effect at hdim 64, where ptxas sinks the exp2s
+    # below the boundary.
+    pin_pv_wait: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -220,6 +247,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         persistent=d <= 128,
         lpt=causal,
         prune_diagonal_loop=d > 128,
+        merge_diagonal_loop=causal and d > 128,
+        pin_pv_wait=causal and d > 128,
     )
 
 
@@ -1011,6 +1040,11 @@ class FlashFwdSm90:
             mask.apply(acc_S, m_block, n_block, mask_seqlen=False, mask_causal=True,
                        when=mask_if)
         row_scale = softmax.online_softmax(acc_S, is_first=False)
+        if cutlass.const_expr(self.tiles.pin_pv_wait):
+            # Never taken (a row scale is exp2 of a difference, >= 0): a block
+            # boundary that keeps ptxas from hoisting the wait (Note [P V wait]).
+            if row_scale[0] < 0.0:
+                cute.arch.sync_warp()
         warpgroup.wait_group(0)  # P V done: tOrP and acc_O are free
         pipe_v.consumer_release(state_v)
         to_p(acc_S)
