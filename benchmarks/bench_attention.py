@@ -12,6 +12,13 @@ back-to-back calls, synchronised once at the end of each rep. "bwd" is the
 backward alone, run on the residuals of one saved forward (`--bwd-timing direct`,
 the default), or (forward + backward) minus forward (`diff`).
 
+With `--rounds R` (R > 1) every implementation of a case is set up first and then
+timed in R alternating rounds (scripts/ab_timing.py: A B C, then C B A, ...),
+each round `--iters` back-to-back calls of each forward and backward; the figure
+is the median over the rounds, and the CSV gets each one's range over the rounds
+(fwd_range / bwd_range, as a fraction of the median). Clock and power drift then
+hit every implementation alike instead of whichever ran last.
+
 Memory of the forward + backward step, in MiB:
   temp / total  JAX implementations: XLA's buffer assignment of the compiled
                 jitted step (`compile().memory_analysis()`): temp buffers, and
@@ -33,12 +40,16 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # XLA grows its pool on demand instead of taking 75% of the GPU at start: PyTorch
 # (flash-attn-4) runs in the same process. main() warns when this was overridden.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Benchmark this checkout's jax_fa4, installed or not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))  # ab_timing
 
 import jax
 import jax.numpy as jnp
@@ -142,8 +153,24 @@ def jax_impls(peers):
     return impls
 
 
-def bench_jax(name, attn, q, k, v, causal, iters, bwd_timing="diff"):
-    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of one JAX implementation.
+@dataclass
+class Prepared:
+    """One implementation of one case, set up and compiled, ready to time.
+
+    fwd / bwd launch one forward / backward (asynchronously) and return its
+    outputs; with diff, bwd is the whole forward + backward step and the backward's
+    time is that minus the forward's. sync(outputs) waits for the device.
+    """
+
+    fwd: Callable[[], object]
+    bwd: Callable[[], object]
+    sync: Callable[[object], object]
+    mem: dict
+    diff: bool = False
+
+
+def prepare_jax(name, attn, q, k, v, causal, bwd_timing="diff") -> Prepared:
+    """A JAX implementation, ready to time (``Prepared``).
 
     bwd_timing "diff": the backward is the fwd+bwd step's time minus the forward's
     (the figures in docs/performance.md so far); "direct": the pullback alone,
@@ -157,17 +184,61 @@ def bench_jax(name, attn, q, k, v, causal, iters, bwd_timing="diff"):
         _, pull = jax.vjp(lambda q, k, v: attn(q, k, v, causal), q, k, v)
         return pull(dout)
 
-    bwd = jax.jit(_bwd)
-    t_fwd = time_jax(fwd, (q, k, v), iters)
-    mem = xla_memory(bwd, (q, k, v, dout))
+    step = jax.jit(_bwd)
+    mem = xla_memory(step, (q, k, v, dout))
     if bwd_timing == "direct":
         _, pull = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: attn(q, k, v, causal),
                                                   q, k, v))(q, k, v)
-        t_bwd = time_jax(jax.jit(lambda pull, dout: pull(dout)), (pull, dout), iters)
-        del pull
-        return t_fwd, t_bwd, mem
-    t_fb = time_jax(bwd, (q, k, v, dout), iters)  # forward + backward
-    return t_fwd, max(t_fb - t_fwd, 1e-9), mem
+        pullback = jax.jit(lambda pull, dout: pull(dout))
+        return Prepared(lambda: fwd(q, k, v), lambda: pullback(pull, dout),
+                        jax.block_until_ready, mem)
+    return Prepared(lambda: fwd(q, k, v), lambda: step(q, k, v, dout), jax.block_until_ready,
+                    mem, diff=True)
+
+
+def measure(prep: Prepared, iters: int, reps: int = 5):
+    """(fwd seconds, bwd seconds, memory) of one implementation timed on its own
+    (``time_calls``: the forward's reps, then the backward's)."""
+    t_fwd = time_calls(prep.fwd, prep.sync, iters, reps)
+    t_bwd = time_calls(prep.bwd, prep.sync, iters, reps)
+    if prep.diff:
+        t_bwd = max(t_bwd - t_fwd, 1e-9)
+    return t_fwd, t_bwd, prep.mem
+
+
+def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int):
+    """{name: (fwd seconds, bwd seconds, memory, fwd range, bwd range)} of every
+    implementation of a case, timed in alternating rounds (ab_timing.interleaved);
+    the seconds are medians over the rounds, the ranges (max - min) / median."""
+    from ab_timing import interleaved
+
+    calls = {}
+    for name, prep in preps.items():
+        calls[(name, "fwd")] = prep.fwd
+        calls[(name, "bwd")] = prep.bwd
+    syncs = list(dict.fromkeys(p.sync for p in preps.values()))
+
+    def sync_all(outs):
+        for sync in syncs:
+            sync(outs)
+
+    times = interleaved(calls, sync_all, rounds=rounds, inner=iters, warmup=1)
+    out = {}
+    for name, prep in preps.items():
+        tf, tb = times[(name, "fwd")], times[(name, "bwd")]
+        med_f, med_b = statistics.median(tf), statistics.median(tb)
+        rng = lambda ts, m: (max(ts) - min(ts)) / m  # noqa: E731
+        if prep.diff:  # per round, the step minus that round's forward
+            tb = [max(b - f, 1e-9) for f, b in zip(tf, tb, strict=True)]
+            med_b = statistics.median(tb)
+        out[name] = (med_f, med_b, prep.mem, rng(tf, med_f), rng(tb, med_b))
+    return out
+
+
+def bench_jax(name, attn, q, k, v, causal, iters, bwd_timing="diff"):
+    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of one JAX
+    implementation, timed on its own (``prepare_jax``, ``measure``)."""
+    return measure(prepare_jax(name, attn, q, k, v, causal, bwd_timing), iters)
 
 
 def import_fa4_func():
@@ -179,13 +250,14 @@ def import_fa4_func():
     return flash_attn_func
 
 
-def bench_fa4_torch(q, k, v, causal, iters, bwd_timing="diff"):
-    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of flash-attn-4 (PyTorch).
+def prepare_fa4_torch(q, k, v, causal, bwd_timing="diff") -> Prepared:
+    """flash-attn-4 (PyTorch), ready to time (``Prepared``), with the peak memory
+    of one fwd+bwd step.
 
-    Same data as the JAX implementations (bf16 -> f32 -> bf16 is exact), same
-    timing function; the forward runs with grad enabled, as in training.
-    bwd_timing as in ``bench_jax`` ("direct": autograd.grad on one forward's
-    graph, kept with retain_graph).
+    Same data as the JAX implementations (bf16 -> f32 -> bf16 is exact); the
+    forward runs with grad enabled, as in training. bwd_timing as in
+    ``prepare_jax`` ("direct": autograd.grad on one forward's graph, kept with
+    retain_graph).
     """
     import numpy as np
     import torch
@@ -203,25 +275,27 @@ def bench_fa4_torch(q, k, v, causal, iters, bwd_timing="diff"):
     def fb():
         return torch.autograd.grad(fwd(), (tq, tk, tv), dout)
 
-    sync = lambda _: torch.cuda.synchronize()
-    t_fwd = time_calls(fwd, sync, iters)
-    if bwd_timing == "direct":
-        out = fwd()
-        t_bwd = time_calls(
-            lambda: torch.autograd.grad(out, (tq, tk, tv), dout, retain_graph=True), sync, iters)
-        del out
-    t_fb = time_calls(fb, sync, iters)  # forward + backward
+    fb()  # compiles flash-attn-4's kernels outside the measured step
     # Peak of one step above what is allocated before it (inputs and dout).
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     grads = fb()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    mem = {"peak_mib": (torch.cuda.max_memory_allocated() - before) / MiB}
     del grads
+    sync = lambda _: torch.cuda.synchronize()  # noqa: E731
     if bwd_timing == "direct":
-        return t_fwd, t_bwd, {"peak_mib": peak}
-    return t_fwd, max(t_fb - t_fwd, 1e-9), {"peak_mib": peak}
+        out = fwd()
+        return Prepared(fwd, lambda: torch.autograd.grad(out, (tq, tk, tv), dout,
+                                                         retain_graph=True), sync, mem)
+    return Prepared(fwd, fb, sync, mem, diff=True)
+
+
+def bench_fa4_torch(q, k, v, causal, iters, bwd_timing="diff"):
+    """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of flash-attn-4
+    (PyTorch), timed on its own (``prepare_fa4_torch``, ``measure``)."""
+    return measure(prepare_fa4_torch(q, k, v, causal, bwd_timing), iters)
 
 
 def release_torch_memory():
@@ -246,6 +320,10 @@ def main(argv=None):
                         "(jax_fa4 with deterministic=True)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="> 1: time every implementation of a case in this many alternating "
+                        "rounds of --iters calls (median; ranges in the CSV) instead of "
+                        "one after the other")
     p.add_argument("--bwd-timing", choices=("diff", "direct"), default="direct",
                    help="backward time: the backward alone on saved residuals (direct; "
                         "two H200 runs agreed within 1.5%%), or the fwd+bwd step minus "
@@ -275,34 +353,19 @@ def main(argv=None):
         b = TOKENS // s
         kq, kk, kv = jax.random.split(jax.random.key(i), 3)
         q, k, v = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in (kq, kk, kv))
-        results = {}
-        for name, attn in impls.items():
-            print(f"[{i + 1}/{len(cases)}] d={d} s={s} causal={causal}: {name} ...", flush=True)
-            try:
-                results[name] = bench_jax(name, attn, q, k, v, causal, args.iters,
-                                          args.bwd_timing)
-            except Exception as e:  # noqa: BLE001 - report and continue with the others
-                print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            _print_progress(results[name])
-        if have_fa4:
-            print(f"[{i + 1}/{len(cases)}] d={d} s={s} causal={causal}: fa4 (torch) ...",
-                  flush=True)
-            try:
-                results["fa4_torch"] = bench_fa4_torch(q, k, v, causal, args.iters,
-                                                       args.bwd_timing)
-            except Exception as e:  # noqa: BLE001
-                print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            else:
-                _print_progress(results["fa4_torch"])
-            release_torch_memory()  # after the except clause: its traceback held the tensors
-        for name, (tf, tb, mem) in results.items():
+        if args.rounds > 1:
+            results = bench_case_rounds(impls, q, k, v, causal, have_fa4, args, i, len(cases))
+        else:
+            results = bench_case(impls, q, k, v, causal, have_fa4, args, i, len(cases))
+        for name, (tf, tb, mem, *ranges) in results.items():
             rows.append(dict(
                 impl=name, hdim=d, seqlen=s, causal=causal, batch=b, heads=h,
                 fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
                 fwd_tflops=flops(b, h, s, d, causal, "fwd") / tf / 1e12,
                 bwd_tflops=flops(b, h, s, d, causal, "bwd") / tb / 1e12,
                 **{c: mem.get(c) for c in MEM_COLUMNS},
+                fwd_range=ranges[0] if ranges else None,
+                bwd_range=ranges[1] if ranges else None,
             ))
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     path = os.path.join(args.out, f"h200_{stamp}.csv")
@@ -318,6 +381,66 @@ def main(argv=None):
 
 
 MEM_COLUMNS = ("temp_mib", "total_mib", "peak_mib")
+
+
+def bench_case(impls, q, k, v, causal, have_fa4, args, i, n_cases):
+    """{name: (fwd s, bwd s, memory)}: each implementation timed on its own, in turn."""
+    d, s = q.shape[3], q.shape[1]
+    results = {}
+    for name, attn in impls.items():
+        print(f"[{i + 1}/{n_cases}] d={d} s={s} causal={causal}: {name} ...", flush=True)
+        try:
+            results[name] = bench_jax(name, attn, q, k, v, causal, args.iters, args.bwd_timing)
+        except Exception as e:  # noqa: BLE001 - report and continue with the others
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        _print_progress(results[name])
+    if have_fa4:
+        print(f"[{i + 1}/{n_cases}] d={d} s={s} causal={causal}: fa4 (torch) ...", flush=True)
+        try:
+            results["fa4_torch"] = bench_fa4_torch(q, k, v, causal, args.iters, args.bwd_timing)
+        except Exception as e:  # noqa: BLE001
+            print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        else:
+            _print_progress(results["fa4_torch"])
+        release_torch_memory()  # after the except clause: its traceback held the tensors
+    return results
+
+
+def bench_case_rounds(impls, q, k, v, causal, have_fa4, args, i, n_cases):
+    """{name: (fwd s, bwd s, memory, fwd range, bwd range)}: every implementation
+    set up first, then timed in args.rounds alternating rounds (``measure_rounds``)."""
+    d, s = q.shape[3], q.shape[1]
+    preps = {}
+    for name, attn in impls.items():
+        print(f"[{i + 1}/{n_cases}] d={d} s={s} causal={causal}: {name} (set up) ...",
+              flush=True)
+        try:
+            preps[name] = prepare_jax(name, attn, q, k, v, causal, args.bwd_timing)
+        except Exception as e:  # noqa: BLE001 - report and continue with the others
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    if have_fa4:
+        print(f"[{i + 1}/{n_cases}] d={d} s={s} causal={causal}: fa4 (torch, set up) ...",
+              flush=True)
+        try:
+            preps["fa4_torch"] = prepare_fa4_torch(q, k, v, causal, args.bwd_timing)
+        except Exception as e:  # noqa: BLE001
+            print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    print(f"[{i + 1}/{n_cases}] timing {len(preps)} implementations in {args.rounds} "
+          "alternating rounds ...", flush=True)
+    try:
+        results = measure_rounds(preps, args.iters, args.rounds)
+    except Exception as e:  # noqa: BLE001 - one failed case must not end the run
+        print(f"  timing failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        results = {}
+    for name, res in results.items():
+        print(f"  {name}: range over rounds fwd {100 * res[3]:.1f}%, bwd {100 * res[4]:.1f}%",
+              flush=True)
+        _print_progress(res[:3])
+    del preps
+    if have_fa4:
+        release_torch_memory()
+    return results
 
 
 def _mib(v) -> str:

@@ -52,3 +52,50 @@ def test_cases_option_picks_rows():
         ba.parse_cases("128:4096")
     with pytest.raises(ValueError, match="hdim:seqlen:causal"):
         ba.parse_cases("128:4096:yes")
+
+
+@pytest.mark.parametrize("bwd_timing", ["diff", "direct"])
+def test_rounds_time_every_implementation_interleaved(bwd_timing, monkeypatch):
+    """--rounds: every implementation of a case is set up, then timed in alternating
+    rounds; each gets median seconds and its range over the rounds, and the calls
+    of different implementations interleave."""
+    import ab_timing
+
+    impls = {"a": ba.jax_impls({"xla"})["xla"],
+             "b": lambda q, k, v, c: ba.jax_impls({"xla"})["xla"](q, k, v, c) * 1.0}
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, 32), jnp.bfloat16)
+               for i in range(3))
+    preps = {n: ba.prepare_jax(n, f, q, k, v, True, bwd_timing) for n, f in impls.items()}
+    assert all(p.diff == (bwd_timing == "diff") for p in preps.values())
+    order = []
+    real = ab_timing.interleaved
+
+    def spy(calls, sync, **kw):
+        wrapped = {n: (lambda n=n, f=f: order.append(n) or f()) for n, f in calls.items()}
+        return real(wrapped, sync, **kw)
+
+    monkeypatch.setattr(ab_timing, "interleaved", spy)
+    res = ba.measure_rounds(preps, iters=2, rounds=3)
+    assert set(res) == {"a", "b"}
+    for t_fwd, t_bwd, mem, r_fwd, r_bwd in res.values():
+        assert 0 < t_fwd < 10 and 0 < t_bwd < 10
+        assert r_fwd >= 0 and r_bwd >= 0
+        assert "temp_mib" in mem
+    # Warm-up (one call each), then rounds of iters calls per (impl, direction),
+    # the order reversed every other round.
+    timed = order[4:]
+    blocks = [timed[j][0:2] for j in range(0, len(timed), 2)]
+    assert blocks[:4] == [("a", "fwd"), ("a", "bwd"), ("b", "fwd"), ("b", "bwd")]
+    assert blocks[4:8] == [("b", "bwd"), ("b", "fwd"), ("a", "bwd"), ("a", "fwd")]
+    assert len(timed) == 3 * 4 * 2
+
+
+def test_measure_subtracts_the_forward_for_diff_timing(monkeypatch):
+    """measure(): with diff, the backward is the step minus the forward."""
+    seconds = {"fwd": 0.5, "step": 2.0}
+    monkeypatch.setattr(ba, "time_calls", lambda call, sync, iters, reps=5: seconds[call()])
+    diff = ba.Prepared(fwd=lambda: "fwd", bwd=lambda: "step", sync=lambda _: None, mem={},
+                       diff=True)
+    assert ba.measure(diff, iters=1)[:2] == (0.5, 1.5)
+    direct = ba.Prepared(fwd=lambda: "fwd", bwd=lambda: "step", sync=lambda _: None, mem={})
+    assert ba.measure(direct, iters=1)[:2] == (0.5, 2.0)
