@@ -134,7 +134,7 @@ class BwdTiles:
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
-# lse_early, dpsum_early, dv_done_before_dk).
+# lse_early, dpsum_early, dv_done_before_dk, lpt).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
 # queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
@@ -144,12 +144,13 @@ class BwdTiles:
 # serialisation (+21%), the per-warpgroup hand-off then gained 2-5%, and the flat
 # dQ order measured level (+0.5%). lse_early / dpsum_early: "v5" in the log.
 # dv_done_before_dk: +2.7% at hdim 64 causal (9 alternating rounds and a single
-# timing agree), level elsewhere (eighth session).
+# timing agree), level elsewhere; lpt: +4-6% at hdim 128 causal 4k, level at 1k and
+# 16k, 4-6% slower at hdim 64 (eighth session).
 _TILE_TABLE = {
-    (64, False): (128, True, False, True, False, False, False),
-    (64, True): (128, True, False, True, False, False, True),
-    (128, False): (64, True, False, True, True, True, False),
-    (128, True): (64, True, False, True, True, True, False),
+    (64, False): (128, True, False, True, False, False, False, False),
+    (64, True): (128, True, False, True, False, False, True, False),
+    (128, False): (64, True, False, True, True, True, False, False),
+    (128, True): (64, True, False, True, True, True, False, True),
 }
 
 
@@ -165,12 +166,12 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     """
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
-    tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk = (
-        _TILE_TABLE[(head_dim, bool(causal))])
+    (tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk,
+     lpt) = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early,
-                    dv_done_before_dk=dv_done_before_dk, lpt=causal and head_dim == 128)
+                    dv_done_before_dk=dv_done_before_dk, lpt=lpt)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
