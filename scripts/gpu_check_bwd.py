@@ -50,9 +50,9 @@ def make_tiles(d, causal, variant):
     """The kernel's own tile table, with a knob flipped for A/B variants."""
     tiles = bwd_tiles(d, causal)
     for knob in variant.split("+"):  # e.g. "m80+pwg"
-        if knob.startswith("m"):  # m64 / m80 / m128: another query tile
+        if knob[:1] == "m" and knob[1:].isdigit():  # m64 / m80 / m128: another query tile
             tiles = dataclasses.replace(tiles, tile_m=int(knob[1:]))
-        elif knob.startswith("s"):  # s3: Q/dO pipeline stages
+        elif knob[:1] == "s" and knob[1:].isdigit():  # s3: Q/dO pipeline stages
             tiles = dataclasses.replace(tiles, stages_qdo=int(knob[1:]))
         elif knob == "pwg":  # dQ handed off per warpgroup
             tiles = dataclasses.replace(tiles, dq_per_wg=True)
@@ -68,6 +68,10 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dpsum_early=knob == "dps")
         elif knob in ("dvwait", "nodvwait"):  # dV done before dK is issued, or not
             tiles = dataclasses.replace(tiles, dv_done_before_dk=knob == "dvwait")
+        elif knob in ("splitkv", "nosplitkv"):  # K and V on two mbarriers, or one
+            tiles = dataclasses.replace(tiles, split_kv=knob == "splitkv")
+        elif knob in ("pin", "nopin"):  # dP^T wait kept below the exp2s, or not
+            tiles = dataclasses.replace(tiles, pin_dp_wait=knob == "pin")
         elif knob in ("lpt", "nolpt"):  # causal launch order: LPT sections / per head
             tiles = dataclasses.replace(tiles, lpt=knob == "lpt")
         elif knob != "default":
@@ -329,6 +333,8 @@ def main():
                          "dP^T), dps / nodps (Dpsum loaded before / after the dP^T wait), "
                          "dvwait / nodvwait (dK issued after dV is done / at once), "
                          "lpt / nolpt (causal launch order: LPT sections / per head), "
+                         "pin / nopin (dP^T wait kept below the exp2s or not), "
+                         "splitkv / nosplitkv (K and V on two mbarriers or one), "
                          "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")

@@ -34,9 +34,12 @@ def test_rounds_alternate_the_order_and_time_each_call():
     times = ab_timing.interleaved(calls, synced.append, rounds=3, inner=2, warmup=1,
                                   clock=clock)
     assert times == {"a": [2.0] * 3, "b": [1.0] * 3, "c": [4.0] * 3}
-    # warm-up a b c, then rounds a b c | c b a | a b c, two calls each
-    assert "".join(clock.log) == "abc" + "aabbcc" + "ccbbaa" + "aabbcc"
-    assert synced[:3] == ["a", "b", "c"] and synced[3] == ["a", "a"]
+    # warm-up a b c, an untimed round, then rounds a b c | c b a | a b c, two
+    # calls each
+    assert "".join(clock.log) == "abc" + "aabbcc" + "aabbcc" + "ccbbaa" + "aabbcc"
+    # one sync per warm-up call, then one per round and variant, on the last
+    # call's outputs only
+    assert synced == list("abc") + list("abc") + list("abc") + list("cba") + list("abc")
 
 
 def test_summary_reports_median_spread_and_ratio():

@@ -277,6 +277,79 @@ def test_bwd_dv_done_before_dk_knob(tmp_path, head_dim):
     assert counts[True] == counts[False] + 1, counts
 
 
+@needs_cutlass
+def test_bwd_pin_dp_wait_knob(tmp_path):
+    """BwdTiles.pin_dp_wait (off in the table: level to 0.965x on the H200, ninth
+    session): at hdim 128 all 32 exp2s of P^T sit between the wait for S^T and the
+    wait for dP^T, which ptxas otherwise hoists to right after the S^T wait; no
+    spills, no serialised wgmma."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    assert not any(bwd_tiles(d, c).pin_dp_wait for d in (64, 128) for c in (False, True))
+    between = {}
+    for knob in (False, True):
+        tiles = dataclasses.replace(bwd_tiles(128, False), pin_dp_wait=knob)
+        dump = tmp_path / str(knob)
+        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, 128, jnp.bfloat16)
+        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, 128, 128, False, 128**-0.5,
+                                           tiles=t),
+              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
+        sass = dumped_sass(dump)
+        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+        lines = sass.splitlines()
+        counts = []
+        for i, line in enumerate(lines):
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+                n = 0
+                for later in lines[i + 1:]:
+                    if "WARPGROUP.DEPBAR" in later:
+                        break
+                    n += "MUFU.EX2" in later
+                counts.append(n)
+        between[knob] = max(counts)
+    assert between == {False: 0, True: 32}, between
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_split_kv_knob(tmp_path, head_dim):
+    """BwdTiles.split_kv: K and V on two mbarriers (V issued after the first Q / dO
+    item). The MMA warpgroups then wait for V in the walk, between the S^T and the
+    dP^T GEMMs (one more mbarrier wait, no spills, no serialised wgmma), and the
+    K/V pipeline gets two stages."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    waits = {}
+    for knob in (False, True):
+        tiles = dataclasses.replace(bwd_tiles(head_dim, True), split_kv=knob)
+        dump = tmp_path / str(knob)
+        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
+        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, True,
+                                           head_dim**-0.5, tiles=t),
+              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
+        sass = dumped_sass(dump)
+        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+        # The walk: the first S^T GEMM's 8 / 4 HGMMAs, then the dP^T GEMM's; with the
+        # knob an mbarrier wait sits between them.
+        hgmma_then_wait = re.search(r"HGMMA[^\n]*\n(?:(?!HGMMA)[^\n]*\n)*?[^\n]*"
+                                    r"SYNCS\.PHASECHK[^\n]*\n(?:(?!HGMMA)[^\n]*\n)*?"
+                                    r"[^\n]*HGMMA", sass)
+        waits[knob] = (len(re.findall(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", sass)),
+                       hgmma_then_wait is not None)
+    assert waits[True][0] > waits[False][0], waits
+    assert waits[True][1] and not waits[False][1], waits
+
+
 @pytest.mark.parametrize("num_n,kv_heads,batch,section", [(8, 4, 3, 8), (16, 16, 16, 32),
                                                           (5, 3, 1, 2), (1, 1, 1, 1)])
 def test_bwd_lpt_key_block_order(num_n, kv_heads, batch, section):

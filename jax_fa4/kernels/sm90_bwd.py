@@ -56,7 +56,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
@@ -131,6 +131,23 @@ class BwdTiles:
     # head of the section first, then key block 1, and so on. The default grid runs
     # every key block of one head before the next head, as flash-attn-4 does.
     lpt: bool = False
+    # End the exp2s' basic block with a branch that is never taken (on P^T < 0), so
+    # that ptxas cannot hoist the wait for dP^T above them (the forward's Note [P V
+    # wait]): without it every exp2 runs after dP^T is done, and the two warpgroups,
+    # which meet at the dS barrier, both compute P^T while the tensor cores idle.
+    # flash-attn-4's SASS has about a third of its exp2s before that wait. Off: on
+    # the H200 it measured level to slower at hdim 128 (0.95-1.0x, ninth session),
+    # as the seventh session's dvearly did; at hdim 64 (128-row tiles) ptxas then
+    # serialises every wgmma.
+    pin_dp_wait: bool = False
+    # K and V on two mbarriers, V loaded after the first Q / dO item: the first S^T
+    # GEMM starts when K and that item have landed, without waiting for V (as
+    # flash-attn-4 pairs K with Q and V with dO). At 1k tokens a CTA walks 9-16
+    # query blocks, and Nsight Compute put 3% of the MMA warps' samples on the
+    # wait for K and V together (ninth session). Off: level on the H200 (hdim 128,
+    # 1k: 0.985x non-causal, 1.002x causal; 4k: 0.994x / 0.996x; 9 / 7 alternating
+    # rounds).
+    split_kv: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -220,6 +237,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        self.split_kv = t.split_kv
         self.num_mma_wg = 2
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 + self.num_mma_threads
@@ -341,7 +359,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         @cute.struct
         class SharedStorage:
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 4 if self.split_kv else 2]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
             sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -653,9 +671,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         dq_bar_off = wg_idx if const_expr(self.tiles.dq_per_wg) else 0
         key_limit = seqlen_k - n_block * tn
 
-        if num_iters > 0:
-            pipe_kv.consumer_wait(
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        if num_iters > 0:  # K (and V unless split_kv)
+            pipe_kv.consumer_wait(pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, 2 if const_expr(self.split_kv) else 1))
 
         state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
@@ -675,6 +693,9 @@ class FlashBwdSm90(Sm90BwdCommon):
                     lse[c] = sLSE[tScS[0, c][1], stage]
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
             wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+            if const_expr(self.split_kv):
+                # V (stage 1, single use: after the first item a completed phase).
+                pipe_kv.consumer_wait(pipeline.PipelineState(2, Int32(1), Int32(1), Int32(0)))
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
             wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
             if const_expr(hoist_lse and not self.tiles.lse_early):
@@ -704,11 +725,18 @@ class FlashBwdSm90(Sm90BwdCommon):
                     lse[c] = sLSE[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
-            convert_to_operand_a(acc_S, tdVrP, self.dtype)
+            if const_expr(not self.tiles.pin_dp_wait):
+                convert_to_operand_a(acc_S, tdVrP, self.dtype)
             dpsum = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
             if const_expr(self.tiles.dpsum_early):
                 for c in cutlass.range_constexpr(n_cols):
                     dpsum[c] = sDpsum[tScS[0, c][1], stage]
+            if const_expr(self.tiles.pin_dp_wait):
+                # Never taken (P = exp2(.) >= 0): a block boundary that keeps the
+                # dP^T wait below the exp2s (BwdTiles.pin_dp_wait).
+                if S[0, 0] < 0.0:
+                    cute.arch.sync_warp()
+                convert_to_operand_a(acc_S, tdVrP, self.dtype)
             if const_expr(self.tiles.dv_before_ds):
                 # dV runs on the tensor cores while dS^T is computed.
                 wgmma_gemm(mma_dv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage],

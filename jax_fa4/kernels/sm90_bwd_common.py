@@ -113,8 +113,15 @@ class Sm90BwdCommon:
             raise ValueError(f"{type(self).__name__} with {self.tiles} needs {smem_bytes} "
                              f"bytes of SMEM, more than the {SM90_MAX_SMEM_BYTES} sm_90 allows")
 
+    # K and V land on two mbarriers (stages 0 and 1 of the K/V pipeline) instead of
+    # one, V issued after the first Q / dO item: the first S^T GEMM needs only K and
+    # that item, not V as well (BwdTiles.split_kv). Subclasses set it.
+    split_kv = False
+
     def make_pipelines(self, storage, bytes_qdo: int, bytes_kv: int):
-        """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0."""
+        """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0.
+        With ``split_kv`` the K/V pipeline has two single-use stages, K then V, of
+        half the bytes each (the kernels that set it have head_dim == head_dim_v)."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # One arrive per consumer warp (the pipeline elects lane 0 of each warp).
         consumer_group = pipeline.CooperativeGroup(
@@ -124,10 +131,11 @@ class Sm90BwdCommon:
             producer_group=producer_group, consumer_group=consumer_group,
             tx_count=bytes_qdo, defer_sync=True)
         # This one fences and syncs the CTA after both pipelines' mbarrier inits.
+        split = self.split_kv
         pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=2 if split else 1,
             producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_kv, defer_sync=False)
+            tx_count=bytes_kv // 2 if split else bytes_kv, defer_sync=False)
         return pipe_qdo, pipe_kv
 
     def work_list(self, n_block, mQ: cute.Tensor, mK: cute.Tensor):
@@ -164,10 +172,12 @@ class Sm90BwdCommon:
         tKsK, tKgK = tma_tile_partition(tma_K, sK, gK)
         tVsV, tVgV = tma_tile_partition(tma_V, sV, gV)
         if num_iters > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                    2 if const_expr(self.split_kv) else 1)
             pipe_kv.producer_acquire(kv_state)
             cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            if const_expr(not self.split_kv):
+                cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
@@ -189,6 +199,12 @@ class Sm90BwdCommon:
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
             cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
             state.advance()
+            if const_expr(self.split_kv):
+                if it == 0:  # V (stage 1) after the first item
+                    v_state = pipeline.PipelineState(2, Int32(1), Int32(1), Int32(1))
+                    pipe_kv.producer_acquire(v_state)
+                    cute.copy(tma_V, tVgV, tVsV,
+                              tma_bar_ptr=pipe_kv.producer_get_barrier(v_state))
 
     @cute.jit
     def store_dq_joint(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,

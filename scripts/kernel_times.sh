@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Per-kernel GPU durations of one backward step (plus its forward) of jax_fa4 and
+# flash-attn-4, under Nsight Compute with the clocks and caches left alone
+# (--clock-control none --cache-control none), one metric only, so each kernel runs
+# once at its normal speed. Prints one line per kernel launch (2 warm-up steps, then
+# the one to read).
+#   bash scripts/kernel_times.sh [hdim] [seqlen] [impls] [causal flags]
+# Run on the GPU machine after `. /opt/jax_fa4_site/env.sh`.
+set -uo pipefail
+d=${1:-128}; s=${2:-1024}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
+tmp=$(mktemp -d)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+for impl in $impls; do
+  for c in $causals; do
+    flag=""; [[ $c == 1 ]] && flag="--causal"
+    tag="${impl}_d${d}_s${s}_c${c}"
+    timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --csv --page raw \
+      python scripts/profile_bwd.py --impl "$impl" --hdim "$d" --seqlen "$s" --warmup 2 $flag \
+      > "$tmp/$tag.csv" 2> "$tmp/$tag.err" || { echo "$tag: ncu failed"; tail -5 "$tmp/$tag.err"; continue; }
+    python - "$tmp/$tag.csv" "$tag" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, units, data = rows[0], rows[1], rows[2:]
+ki, ti = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[ti]]
+data = [(r[ki], float(r[ti].replace(",", "")) * scale) for r in data]
+print(f"== {sys.argv[2]}: {len(data)} kernel launches (3 steps, the last is timed)")
+for name, t in data:
+    print(f"  {t:9.1f} us  {name[:100]}")
+PY
+  done
+done
+rm -rf "$tmp"
