@@ -70,6 +70,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dv_done_before_dk=knob == "dvwait")
         elif knob in ("splitkv", "nosplitkv"):  # K and V on two mbarriers, or one
             tiles = dataclasses.replace(tiles, split_kv=knob == "splitkv")
+        elif knob in ("pers", "nopers"):  # persistent CTAs walking the tiles, or a grid
+            tiles = dataclasses.replace(tiles, persistent=knob == "pers")
         elif knob in ("pin", "nopin"):  # dP^T wait kept below the exp2s, or not
             tiles = dataclasses.replace(tiles, pin_dp_wait=knob == "pin")
         elif knob in ("lpt", "nolpt"):  # causal launch order: LPT sections / per head
@@ -335,6 +337,7 @@ def main():
                          "lpt / nolpt (causal launch order: LPT sections / per head), "
                          "pin / nopin (dP^T wait kept below the exp2s or not), "
                          "splitkv / nosplitkv (K and V on two mbarriers or one), "
+                         "pers / nopers (persistent CTAs walking the tiles, or one per tile), "
                          "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
@@ -345,6 +348,8 @@ def main():
                          "the benchmark's 1k row) instead of the defaults")
     ap.add_argument("--causal-only", action="store_true",
                     help="check and time the causal mask only")
+    ap.add_argument("--noncausal-only", action="store_true",
+                    help="check and time without the causal mask only")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop starting new correctness cases after this many seconds")
     args = ap.parse_args()
@@ -371,6 +376,8 @@ def main():
         TIME_SIZE.update({d: size for d in hdims})
     if args.causal_only:
         TIME_CAUSAL = (True,)
+    if args.noncausal_only:
+        TIME_CAUSAL = (False,)
     for variant in args.variants.split(","):
         for dtype in (jnp.bfloat16, jnp.float16):
             for d in hdims:

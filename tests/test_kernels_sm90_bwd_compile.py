@@ -350,6 +350,62 @@ def test_bwd_split_kv_knob(tmp_path, head_dim):
     assert waits[True][1] and not waits[False][1], waits
 
 
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (128, False), (64, True)])
+def test_bwd_persistent_knob(tmp_path, head_dim, causal):
+    """BwdTiles.persistent (off in the table: level non-causal, 0.75x causal at 1k on
+    the H200, ninth session): one CTA per SM walks the tiles with its pipeline
+    states carried along; the walk's GEMMs are traced once (same HGMMA count as the
+    grid kernel), no spills, no serialised wgmma. It refuses the deterministic mode,
+    split_kv and the row-major dQ."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic, bwd_tiles
+
+    assert not any(bwd_tiles(d, c).persistent for d in (64, 128) for c in (False, True))
+    hgmma = {}
+    for knob in (False, True):
+        tiles = dataclasses.replace(bwd_tiles(head_dim, causal), persistent=knob)
+        dump = tmp_path / str(knob)
+        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
+        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, causal,
+                                           head_dim**-0.5, tiles=t),
+              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
+        sass = dumped_sass(dump)
+        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+        hgmma[knob] = len(re.findall(r"\bHGMMA\.", sass))
+    assert hgmma[True] == hgmma[False], hgmma
+    pers = dataclasses.replace(bwd_tiles(128, True), persistent=True)
+    for bad, cls in ((pers, FlashBwdSm90Deterministic),
+                     (dataclasses.replace(pers, split_kv=True), FlashBwdSm90),
+                     (dataclasses.replace(pers, dq_flat=False), FlashBwdSm90)):
+        with pytest.raises(ValueError, match="persistent"):
+            cls(cutlass.BFloat16, 128, 128, True, tiles=bad)
+
+
+@pytest.mark.parametrize("num_n,kv_heads,batch", [(8, 4, 3), (1, 1, 1), (5, 16, 2)])
+def test_bwd_persistent_tile_coord_covers_every_tile(num_n, kv_heads, batch):
+    """Without LPT the persistent walk's tile t is (t % num_n, head, batch) with key
+    blocks fastest, then heads: every (key block, kv head, batch) exactly once, in
+    the per-head grid's launch order."""
+    pytest.importorskip("cutlass")
+    import types
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
+
+    kern = FlashBwdSm90(cutlass.BFloat16, 128, 128, False)
+    assert not kern.lpt
+    mK = types.SimpleNamespace(shape=(num_n * 128, 128, kv_heads, batch))
+    order = [kern.tile_coord(t, num_n, None, mK) for t in range(num_n * kv_heads * batch)]
+    assert order == [(n, h, b) for b in range(batch) for h in range(kv_heads)
+                     for n in range(num_n)]
+
+
 @pytest.mark.parametrize("num_n,kv_heads,batch,section", [(8, 4, 3, 8), (16, 16, 16, 32),
                                                           (5, 3, 1, 2), (1, 1, 1, 1)])
 def test_bwd_lpt_key_block_order(num_n, kv_heads, batch, section):

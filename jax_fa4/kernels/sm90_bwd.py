@@ -75,7 +75,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_mma_shape, dq_tiled_mma
-from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile
+from jax_fa4.kernels.sm90_fwd import _num_sms, lpt_section_size, lpt_tile
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,19 @@ class BwdTiles:
     # 1k: 0.985x non-causal, 1.002x causal; 4k: 0.994x / 0.996x; 9 / 7 alternating
     # rounds).
     split_kv: bool = False
+    # Not deterministic, flat dQ, one K/V mbarrier: one CTA per SM walks the
+    # (key block, kv head, batch) tiles in launch order (LPT with ``lpt``), so the
+    # load warp fetches the next tile's Q / dO and computes its coordinates while
+    # the MMA warpgroups finish this one and store dK / dV, and the CTA start and
+    # end are paid once. The K/V tile is released when the dK / dV stores (staged
+    # in the K and V buffers) have read it. At 1k tokens a CTA walks 9-16 query
+    # blocks and Nsight Compute put about a tenth of each CTA's life outside the
+    # walk (ninth session). Off: on the H200 (hdim 128, 1k) it measured level non-
+    # causal (1.003x) and 0.75x causal. Causal tiles differ in length, and the
+    # static round-robin share of the LPT order leaves the busiest CTA 1.23x the
+    # mean (a greedy dynamic share: 1.02x). K and V still load only after the
+    # previous tile's stores, so their latency stays exposed.
+    persistent: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -259,6 +272,11 @@ class FlashBwdSm90(Sm90BwdCommon):
                              "(BwdTiles.dq_flat)")
         # The deterministic backward has its own launch order (det_key_block).
         self.lpt = t.lpt and causal and not deterministic
+        self.persistent = t.persistent
+        if t.persistent and (deterministic or not t.dq_flat or t.split_kv):
+            raise ValueError("the persistent backward needs dq_flat, one K/V mbarrier "
+                             "(split_kv off) and the non-deterministic mode")
+        self.num_sms = _num_sms() if t.persistent else 0
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -374,8 +392,10 @@ class FlashBwdSm90(Sm90BwdCommon):
         self.check_smem(SharedStorage)
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
-        if const_expr(self.lpt):
+        if const_expr(self.lpt or self.persistent):
             grid = (num_n_blocks * cute.size(mK.shape[2]) * cute.size(mK.shape[3]), 1, 1)
+        if const_expr(self.persistent):
+            grid = (cutlass.min(grid[0], self.num_sms), 1, 1)
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
             mdQsem, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV,
@@ -388,6 +408,14 @@ class FlashBwdSm90(Sm90BwdCommon):
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def tile_coord(self, t, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
+        """(n_block, kv head, batch) of tile t of the persistent walk: the LPT order,
+        or key blocks fastest, then heads, then batches (the per-head grid's)."""
+        if const_expr(self.lpt):
+            return self.lpt_coord(t, num_n_blocks, mQ, mK)
+        hb = t // num_n_blocks
+        return t - hb * num_n_blocks, hb % mK.shape[2], hb // mK.shape[2]
 
     def lpt_coord(self, t, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
         """(n_block, kv head, batch) of CTA t in the LPT order (``BwdTiles.lpt``)."""
@@ -445,7 +473,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-        if const_expr(self.lpt):
+        if const_expr(self.lpt and not self.persistent):
             n_block, head_kv, batch = self.lpt_coord(n_block, num_n_blocks, mQ, mK)
         if const_expr(self.deterministic):
             # Causal, key blocks launch last first: each waits only on higher key
@@ -476,6 +504,13 @@ class FlashBwdSm90(Sm90BwdCommon):
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        if const_expr(self.persistent):
+            self.persistent_roles(
+                warp_idx, tidx, num_n_blocks, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum,
+                mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum, tma_Q, tma_K, tma_V,
+                tma_dO, tma_LSE, tma_Dpsum, tma_dK, tma_dV, mma_sdp, mma_dk, mma_dv, mma_dq,
+                pipe_qdo, pipe_kv, seqlen_q, seqlen_k)
+            return
         group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
 
         if warp_idx < 4:
@@ -494,6 +529,54 @@ class FlashBwdSm90(Sm90BwdCommon):
                      mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
                      tidx - 128, n_block, head_kv, batch, seqlen_q, seqlen_k,
                      m_block_min, num_m, num_iters)
+
+    @cute.jit
+    def persistent_roles(self, warp_idx, tidx, num_n_blocks, mQ, mK, mV, mdO, mLSElog2,
+                         mDpsum, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
+                         tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dK, tma_dV,
+                         mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv, seqlen_q,
+                         seqlen_k):
+        """BwdTiles.persistent: every role walks the CTA's tiles (t = blockIdx.x,
+        + gridDim.x, ...) with its pipeline states carried from tile to tile."""
+        tile0 = cute.arch.block_idx()[0]
+        step = cute.arch.grid_dim()[0]
+        num_tiles = num_n_blocks * mK.shape[2] * mK.shape[3]
+        producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(producer, self.tiles.stages_qdo)
+                for t in cutlass.range(tile0, num_tiles, step, unroll=1):
+                    n_block, head_kv, batch = self.tile_coord(t, num_n_blocks, mQ, mK)
+                    group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
+                    state = self.load(
+                        mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
+                        tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, pipe_qdo, pipe_kv,
+                        n_block, head_kv, batch, group, m_block_min, num_m, num_iters,
+                        state=state, kv_round=(t - tile0) // step)
+            if warp_idx == 1:
+                for t in cutlass.range(tile0, num_tiles, step, unroll=1):
+                    n_block, head_kv, batch = self.tile_coord(t, num_n_blocks, mQ, mK)
+                    group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
+                    self.store_dq_flat(mdQaccum, None, sdQ, n_block, num_n_blocks, head_kv,
+                                       batch, group, m_block_min, num_m, num_iters,
+                                       final_wait=False)
+                # The reduce-adds must land before the kernel ends.
+                if cute.arch.lane_idx() == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+        else:
+            cute.arch.setmaxregister_increase(self.tiles.regs_mma)
+            state = pipeline.make_pipeline_state(consumer, self.tiles.stages_qdo)
+            for t in cutlass.range(tile0, num_tiles, step, unroll=1):
+                n_block, head_kv, batch = self.tile_coord(t, num_n_blocks, mQ, mK)
+                group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
+                kv_round = (t - tile0) // step
+                state = self.mma(
+                    mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
+                    mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
+                    tidx - 128, n_block, head_kv, batch, seqlen_q, seqlen_k,
+                    m_block_min, num_m, num_iters, state=state,
+                    kv_state=pipeline.PipelineState(1, kv_round, Int32(0), kv_round % 2))
 
     @cute.jit
     def store_dq(self, mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks, head_kv, batch,
@@ -528,7 +611,8 @@ class FlashBwdSm90(Sm90BwdCommon):
 
     @cute.jit
     def store_dq_flat(self, mdQaccum, mdQsem, sdQ, n_block, num_n_blocks, head_kv, batch,
-                      group, m_block_min, num_m, num_iters):
+                      group, m_block_min, num_m, num_iters,
+                      final_wait: cutlass.Constexpr[bool] = True):
         """Warp 1, dq_flat: one 1-D bulk reduce-add per part (per warpgroup with
         dq_per_wg, else the whole tile) from SMEM into the query block's tile_m * d
         floats of mdQaccum, in flat order (Note [Flat dQ accumulator]).
@@ -574,16 +658,20 @@ class FlashBwdSm90(Sm90BwdCommon):
                     semaphore_release_after_bulk(sem_ptr)
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # The reduce-adds must land before the kernel ends.
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if const_expr(final_wait):
+            # The reduce-adds must land before the kernel ends.
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def mma(self, mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
             mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
             tidx, n_block, head_kv, batch, seqlen_q, seqlen_k,
-            m_block_min, num_m, num_iters):
-        """MMA warpgroups: all GEMMs and the pointwise math; dK/dV epilogue."""
+            m_block_min, num_m, num_iters, state=None, kv_state=None):
+        """MMA warpgroups: all GEMMs and the pointwise math; dK/dV epilogue. The
+        persistent walk passes its Q/dO consumer state (returned, advanced) and the
+        tile's K/V consumer state: K and V are then waited for even with no work
+        items and released once the dK / dV stores have read them."""
         tm, tn = self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -671,12 +759,15 @@ class FlashBwdSm90(Sm90BwdCommon):
         dq_bar_off = wg_idx if const_expr(self.tiles.dq_per_wg) else 0
         key_limit = seqlen_k - n_block * tn
 
-        if num_iters > 0:  # K (and V unless split_kv)
+        if const_expr(kv_state is not None):
+            pipe_kv.consumer_wait(kv_state)
+        elif num_iters > 0:  # K (and V unless split_kv)
             pipe_kv.consumer_wait(pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, 2 if const_expr(self.split_kv) else 1))
 
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
+        if const_expr(state is None):
+            state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
         for it in cutlass.range(num_iters, unroll=1):
             _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
@@ -795,6 +886,11 @@ class FlashBwdSm90(Sm90BwdCommon):
             state.advance()
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv, ds_bar,
                       tidx, n_block, head_kv, batch)
+        if const_expr(kv_state is not None):
+            # Thread 0 has waited for the dK / dV stores to read the K and V buffers.
+            ds_bar.arrive_and_wait()
+            pipe_kv.consumer_release(kv_state)
+        return state
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv,

@@ -162,25 +162,36 @@ class Sm90BwdCommon:
     def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
              tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
              pipe_qdo, pipe_kv, n_block, head_kv, batch, group, m_block_min, num_m,
-             num_iters):
+             num_iters, state=None, kv_round=None):
         """Warp 0: K and V of this block once, then Q, dO and their row statistics
-        per work item (one mbarrier transaction per item)."""
+        per work item (one mbarrier transaction per item); returns the Q/dO producer
+        state. A persistent walk passes that state and kv_round, the number of tiles
+        this CTA walked before: K and V then load after the first items' Q and dO
+        (the K/V buffers are freed only by the previous tile's dK / dV stores, the Q
+        / dO stages earlier), and also for a tile with no work items, whose epilogue
+        still stores zeros."""
         tm, tn = self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
         tKsK, tKgK = tma_tile_partition(tma_K, sK, gK)
         tVsV, tVgV = tma_tile_partition(tma_V, sV, gV)
-        if num_iters > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                    2 if const_expr(self.split_kv) else 1)
-            pipe_kv.producer_acquire(kv_state)
-            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        kv_pre = Int32(0)
+        if const_expr(kv_round is not None):
+            # K and V go after this many items' Q and dO (at most the stages).
+            kv_pre = cutlass.min(self.tiles.stages_qdo, num_iters) - 1
+        elif num_iters > 0:
+            kv_state0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     2 if const_expr(self.split_kv) else 1)
+            pipe_kv.producer_acquire(kv_state0)
+            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state0))
             if const_expr(not self.split_kv):
-                cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                cute.copy(tma_V, tVgV, tVsV,
+                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state0))
 
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
+        if const_expr(state is None):
+            state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
@@ -205,6 +216,22 @@ class Sm90BwdCommon:
                     pipe_kv.producer_acquire(v_state)
                     cute.copy(tma_V, tVgV, tVsV,
                               tma_bar_ptr=pipe_kv.producer_get_barrier(v_state))
+            if const_expr(kv_round is not None):
+                if it == kv_pre:
+                    self.load_kv_round(pipe_kv, kv_round, tma_K, tKgK, tKsK, tma_V, tVgV, tVsV)
+        if const_expr(kv_round is not None):
+            if num_iters == 0:
+                self.load_kv_round(pipe_kv, kv_round, tma_K, tKgK, tKsK, tma_V, tVgV, tVsV)
+        return state
+
+    @cute.jit
+    def load_kv_round(self, pipe_kv, kv_round, tma_K, tKgK, tKsK, tma_V, tVgV, tVsV):
+        """K and V of a persistent walk's tile kv_round on the one-stage K/V
+        pipeline: its producer phase alternates from 1 (the first acquire passes)."""
+        kv_state = pipeline.PipelineState(1, kv_round, Int32(0), (kv_round + 1) % 2)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
     @cute.jit
     def store_dq_joint(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
