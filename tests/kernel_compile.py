@@ -156,3 +156,20 @@ def assert_semaphore_order(lines: list[str], reduce_pattern: str) -> None:
     release = first(r"MEMBAR\.ALL\.GPU", landed)
     first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
 
+
+def exp2s_between_waits(sass: str) -> list[int]:
+    """For each partial wgmma wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: one group
+    still in flight), the number of exp2s before the next full wait (``0x0``): the
+    exp2 work that overlaps the last wgmma group (the forward's P V, Note [P V
+    wait]; the backward's dP^T, BwdTiles.pin_dp_wait)."""
+    lines = sass.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+            for later in lines[i + 1:]:
+                if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
+                    break
+                n += "MUFU.EX2" in later
+            out.append(n)
+    return out

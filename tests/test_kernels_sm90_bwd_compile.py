@@ -21,6 +21,7 @@ from kernel_compile import (
     bwd_structs,
     dump_options,
     dumped_sass,
+    exp2s_between_waits,
     lower,
     lower_bwd,
 )
@@ -28,6 +29,27 @@ from kernel_compile import (
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
 )
+
+
+def _knob_sass(dump, head_dim: int, causal: bool, **knobs) -> str:
+    """The SASS of FlashBwdSm90 with the table's tiles for (head_dim, causal) but
+    ``knobs`` replaced (bf16, GQA, lengths no tile multiples), checked for what
+    every configuration must keep: no local-memory spill, no serialised wgmma."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    tiles = dataclasses.replace(bwd_tiles(head_dim, causal), **knobs)
+    ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
+    lower(lambda: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, causal, head_dim**-0.5,
+                               tiles=tiles),
+          "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
+    sass = dumped_sass(dump)
+    assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+    return sass
 
 
 def _lower_bwd(dtype, head_dim: int, causal: bool, compile_options: str | None = None) -> str:
@@ -254,25 +276,13 @@ def test_bwd_dv_done_before_dk_knob(tmp_path, head_dim):
     causal, where it measured 2.7% faster): one more partial wgmma wait per block,
     between the dQ GEMM and dK's register-A GEMM, and still no spills or
     serialised wgmmas."""
-    import dataclasses
-
-    import cutlass
-
-    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
     assert [bwd_tiles(d, c).dv_done_before_dk for d in (64, 128) for c in (False, True)] == [
         False, True, False, False]
     counts = {}
     for knob in (False, True):
-        tiles = dataclasses.replace(bwd_tiles(head_dim, False), dv_done_before_dk=knob)
-        dump = tmp_path / str(knob)
-        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
-        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, False,
-                                           head_dim**-0.5, tiles=t),
-              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+        sass = _knob_sass(tmp_path / str(knob), head_dim, False, dv_done_before_dk=knob)
         counts[knob] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass))
     assert counts[True] == counts[False] + 1, counts
 
@@ -283,35 +293,12 @@ def test_bwd_pin_dp_wait_knob(tmp_path):
     session): at hdim 128 all 32 exp2s of P^T sit between the wait for S^T and the
     wait for dP^T, which ptxas otherwise hoists to right after the S^T wait; no
     spills, no serialised wgmma."""
-    import dataclasses
-
-    import cutlass
-
-    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
     assert not any(bwd_tiles(d, c).pin_dp_wait for d in (64, 128) for c in (False, True))
-    between = {}
-    for knob in (False, True):
-        tiles = dataclasses.replace(bwd_tiles(128, False), pin_dp_wait=knob)
-        dump = tmp_path / str(knob)
-        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, 128, jnp.bfloat16)
-        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, 128, 128, False, 128**-0.5,
-                                           tiles=t),
-              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
-        lines = sass.splitlines()
-        counts = []
-        for i, line in enumerate(lines):
-            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
-                n = 0
-                for later in lines[i + 1:]:
-                    if "WARPGROUP.DEPBAR" in later:
-                        break
-                    n += "MUFU.EX2" in later
-                counts.append(n)
-        between[knob] = max(counts)
+    between = {knob: max(exp2s_between_waits(_knob_sass(tmp_path / str(knob), 128, False,
+                                                         pin_dp_wait=knob)))
+               for knob in (False, True)}
     assert between == {False: 0, True: 32}, between
 
 
@@ -322,23 +309,9 @@ def test_bwd_split_kv_knob(tmp_path, head_dim):
     item). The MMA warpgroups then wait for V in the walk, between the S^T and the
     dP^T GEMMs (one more mbarrier wait, no spills, no serialised wgmma), and the
     K/V pipeline gets two stages."""
-    import dataclasses
-
-    import cutlass
-
-    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
-
     waits = {}
     for knob in (False, True):
-        tiles = dataclasses.replace(bwd_tiles(head_dim, True), split_kv=knob)
-        dump = tmp_path / str(knob)
-        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
-        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, True,
-                                           head_dim**-0.5, tiles=t),
-              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
+        sass = _knob_sass(tmp_path / str(knob), head_dim, True, split_kv=knob)
         # The walk: the first S^T GEMM's 8 / 4 HGMMAs, then the dP^T GEMM's; with the
         # knob an mbarrier wait sits between them.
         hgmma_then_wait = re.search(r"HGMMA[^\n]*\n(?:(?!HGMMA)[^\n]*\n)*?[^\n]*"
@@ -365,18 +338,9 @@ def test_bwd_persistent_knob(tmp_path, head_dim, causal):
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic, bwd_tiles
 
     assert not any(bwd_tiles(d, c).persistent for d in (64, 128) for c in (False, True))
-    hgmma = {}
-    for knob in (False, True):
-        tiles = dataclasses.replace(bwd_tiles(head_dim, causal), persistent=knob)
-        dump = tmp_path / str(knob)
-        ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
-        lower(lambda t=tiles: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, causal,
-                                           head_dim**-0.5, tiles=t),
-              "sm_90a", ins, outs, aliases, compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
-        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) <= 4
-        hgmma[knob] = len(re.findall(r"\bHGMMA\.", sass))
+    hgmma = {knob: len(re.findall(r"\bHGMMA\.", _knob_sass(tmp_path / str(knob), head_dim,
+                                                             causal, persistent=knob)))
+             for knob in (False, True)}
     assert hgmma[True] == hgmma[False], hgmma
     pers = dataclasses.replace(bwd_tiles(128, True), persistent=True)
     for bad, cls in ((pers, FlashBwdSm90Deterministic),

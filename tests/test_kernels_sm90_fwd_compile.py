@@ -23,6 +23,7 @@ jnp = jax.numpy
 from kernel_compile import (  # noqa: E402
     dump_options,
     dumped_sass,
+    exp2s_between_waits,
     fwd_structs,
     lower,
     lower_fwd_sm90,
@@ -289,23 +290,6 @@ def test_fwd_prune_diagonal_loop_traces_one_step_less(monkeypatch, prune, causal
     assert traced.count(True) == (0 if prune and not causal else len(traced) // 2)
 
 
-def exp2s_under_pv(sass: str) -> list[int]:
-    """For each wait for S alone (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the P V wgmma
-    still in flight), the number of exp2s before the following wait for P V
-    (``0x0``): the softmax work that overlaps P V (Note [P V wait])."""
-    lines = sass.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
-            n = 0
-            for later in lines[i + 1:]:
-                if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
-                    break
-                n += "MUFU.EX2" in later
-            out.append(n)
-    return out
-
-
 @pytest.mark.parametrize("d", [128, 256])
 def test_fwd_merge_diagonal_loop_and_pin_pv_wait(tmp_path, monkeypatch, d):
     """Sm90FwdTiles.merge_diagonal_loop (causal): every block after the first goes
@@ -342,7 +326,7 @@ def test_fwd_merge_diagonal_loop_and_pin_pv_wait(tmp_path, monkeypatch, d):
         sass = dumped_sass(dump)
         assert not re.findall(r"\b(LDL|STL)\b", sass), "local-memory spill"
         hgmma[merge, pin] = len(re.findall(r"\bHGMMA\.", sass))
-        under[merge, pin] = exp2s_under_pv(sass)
+        under[merge, pin] = exp2s_between_waits(sass)
     assert hgmma[True, True] == hgmma[True, False] < hgmma[False, False], hgmma
     # Each step's exp2s: 2 per score pair over tile_n columns, plus the row scales.
     per_step = {128: 66, 256: 42}[d]
