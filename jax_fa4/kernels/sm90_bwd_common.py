@@ -178,16 +178,16 @@ class Sm90BwdCommon:
         tVsV, tVgV = tma_tile_partition(tma_V, sV, gV)
         kv_pre = Int32(0)
         if const_expr(kv_round is not None):
-            # K and V go after this many items' Q and dO (at most the stages).
+            # K and V go after item kv_pre: the first min(stages, items) items' Q
+            # and dO go first.
             kv_pre = cutlass.min(self.tiles.stages_qdo, num_iters) - 1
         elif num_iters > 0:
-            kv_state0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     2 if const_expr(self.split_kv) else 1)
-            pipe_kv.producer_acquire(kv_state0)
-            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state0))
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                    2 if const_expr(self.split_kv) else 1)
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             if const_expr(not self.split_kv):
-                cute.copy(tma_V, tVgV, tVsV,
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state0))
+                cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         if const_expr(state is None):
             state = pipeline.make_pipeline_state(
