@@ -75,7 +75,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_mma_shape, dq_tiled_mma
-from jax_fa4.kernels.sm90_fwd import _num_sms, lpt_section_size, lpt_tile
+from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile, sm_count
 from jax_fa4.kernels.softmax import acc_mn_view
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         if t.persistent and (deterministic or not t.dq_flat or t.split_kv):
             raise ValueError("the persistent backward needs dq_flat, one K/V mbarrier "
                              "(split_kv off) and the non-deterministic mode")
-        self.num_sms = _num_sms() if t.persistent else 0
+        self.num_sms = sm_count() if t.persistent else 0
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side

@@ -271,7 +271,7 @@ def _wgmma(
         warpgroup.wait_group(wg_wait)
 
 
-def _num_sms(default: int = 132) -> int:
+def sm_count(default: int = 132) -> int:
     """Streaming multiprocessors of GPU 0, read when a persistent kernel is built
     (on the GPU host); 132 (H100 SXM / H200) when no GPU can be queried, as when
     cross-compiling. A kernel built for more SMs than it runs on stays correct."""
@@ -335,7 +335,7 @@ class FlashFwdSm90:
         self.dynamic = self.persistent and causal
         # O in its own SMEM buffer (persistent), else in the Q buffer.
         self.own_o = self.persistent and t.separate_o
-        self.num_sms = _num_sms() if self.persistent else 0
+        self.num_sms = sm_count() if self.persistent else 0
         if t.lpt and not causal:
             raise ValueError("the LPT tile order serves the causal forward only")
         logger.debug(
