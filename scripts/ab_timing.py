@@ -29,7 +29,7 @@ def interleaved(calls: Mapping[str, Callable[[], object]], sync: Callable[[objec
     last call's are synchronised on, as in a training loop and in
     bench_attention.time_calls: the allocators then recycle the same buffers.
     Keeping all `inner` outputs alive instead made every round allocate fresh
-    buffers; on the H200 that gave ranges of 5-18% and single rounds up to 6x
+    buffers; on the H200 that gave ranges of 5-25% and single rounds up to 6.5x
     slower (ninth session). One untimed round of `inner` calls per variant
     follows the `warmup` calls, so the first timed round starts from the same
     memory state as the others.

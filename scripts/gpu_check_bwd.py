@@ -346,10 +346,11 @@ def main():
     ap.add_argument("--time-size", default=None,
                     help="B,S,H of the timed problem for every head dim (e.g. 16,1024,16, "
                          "the benchmark's 1k row) instead of the defaults")
-    ap.add_argument("--causal-only", action="store_true",
-                    help="check and time the causal mask only")
-    ap.add_argument("--noncausal-only", action="store_true",
-                    help="check and time without the causal mask only")
+    masks = ap.add_mutually_exclusive_group()
+    masks.add_argument("--causal-only", action="store_true",
+                       help="check and time the causal mask only")
+    masks.add_argument("--noncausal-only", action="store_true",
+                       help="check and time without the causal mask only")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop starting new correctness cases after this many seconds")
     args = ap.parse_args()
