@@ -76,6 +76,10 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, pin_dp_wait=knob == "pin")
         elif knob in ("lpt", "nolpt"):  # causal launch order: LPT sections / per head
             tiles = dataclasses.replace(tiles, lpt=knob == "lpt")
+        elif knob in ("dtop", "nodtop"):  # Dpsum loaded with LSElog2 before S^T, or later
+            tiles = dataclasses.replace(tiles, dpsum_top=knob == "dtop")
+        elif knob in ("hdiv", "nohdiv"):  # LPT coordinates: host divisors / run-time divisions
+            tiles = dataclasses.replace(tiles, lpt_host_div=knob == "hdiv")
         elif knob != "default":
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -338,7 +342,9 @@ def main():
                          "pin / nopin (dP^T wait kept below the exp2s or not), "
                          "splitkv / nosplitkv (K and V on two mbarriers or one), "
                          "pers / nopers (persistent CTAs walking the tiles, or one per tile), "
-                         "combined with +, e.g. m80+pwg")
+                         "dtop / nodtop (Dpsum loaded with LSElog2 before S^T or later), "
+                         "hdiv / nohdiv (LPT coordinates from host divisors or run-time "
+                         "divisions), combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

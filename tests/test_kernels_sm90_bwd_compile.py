@@ -390,6 +390,67 @@ def test_bwd_lpt_key_block_order(num_n, kv_heads, batch, section):
         assert blocks[0] == 0
 
 
+@pytest.mark.parametrize("num_n,kv_heads,batch,q_blocks", [
+    (8, 4, 3, 16), (16, 16, 16, 16), (5, 3, 1, 2048), (1, 1, 1, 1), (17, 5, 7, 64),
+    (16, 12, 3, 128)])
+def test_bwd_lpt_host_divisors_give_the_same_order(num_n, kv_heads, batch, q_blocks):
+    """BwdTiles.lpt_host_div: the divisors set up per launch (lpt_divisors) give each
+    CTA the coordinates lpt_coord computes with run-time divisions, short last
+    sections included (sections of 1 to 64 heads, from the L2 size)."""
+    from jax_fa4.kernels.sm90_bwd import lpt_divisors, lpt_key_block, lpt_key_block_fast
+    from jax_fa4.kernels.sm90_fwd import lpt_section_size
+
+    q_block_bytes = 64 * (256 * 2 + 4 * 128 + 8)
+    section = lpt_section_size(q_blocks, 1, q_block_bytes)
+    divs = lpt_divisors(num_n, q_blocks, kv_heads, batch, q_block_bytes)
+    num_hb = kv_heads * batch
+    assert [lpt_key_block_fast(t, *divs) for t in range(num_n * num_hb)] == [
+        lpt_key_block(t, num_n, kv_heads, num_hb, section) for t in range(num_n * num_hb)]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_dpsum_top_in_table_at_hdim128(tmp_path, causal):
+    """BwdTiles.dpsum_top (the table's at hdim 128, +1-5% on the H200, tenth
+    session): the walk loads Dpsum's 16 columns with LSElog2's right after the Q /
+    dO wait, so 16 LDS.64 precede the first S^T wgmma instead of 8; no spills or
+    serialised wgmma (_knob_sass). At hdim 64 (32 columns) it is off."""
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    assert [bwd_tiles(d, c).dpsum_top for d in (64, 128) for c in (False, True)] == [
+        False, False, True, True]
+
+    def loads_before_first_gemm(sass: str) -> int:
+        head = sass.split("HGMMA", 1)[0]
+        after_wait = head.rsplit("SYNCS.PHASECHK.TRANS64.TRYWAIT", 1)[1]
+        return len(re.findall(r"\bLDS\.64\b", after_wait))
+
+    counts = {knob: loads_before_first_gemm(
+        _knob_sass(tmp_path / str(knob), 128, causal, dpsum_top=knob)) for knob in (False, True)}
+    assert counts == {False: 8, True: 16}, counts
+
+
+@needs_cutlass
+def test_bwd_lpt_host_div_knob(tmp_path):
+    """BwdTiles.lpt_host_div (off in the table: level on the H200, tenth session):
+    the hdim 128 causal kernel (LPT order) then finds its coordinates
+    with no run-time integer division before the CTA's first barrier: the
+    reciprocals of run-time divisors (I2F.RP) there drop from 3 (kv heads, shared by
+    the GQA group and the head / batch split; section tiles; heads of the section)
+    to the one for the GQA group."""
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    assert not any(bwd_tiles(d, c).lpt_host_div for d in (64, 128) for c in (False, True))
+
+    def divisions_before_first_barrier(sass: str) -> int:
+        head = sass.split("BAR.SYNC.DEFER_BLOCKING 0x0", 1)[0]
+        return len(re.findall(r"\bI2F\.RP\b", head))
+
+    counts = {knob: divisions_before_first_barrier(
+        _knob_sass(tmp_path / str(knob), 128, True, lpt_host_div=knob)) for knob in (False, True)}
+    assert counts == {False: 3, True: 1}, counts
+
+
 @needs_cutlass
 def test_bwd_lpt_in_table_for_hdim128_causal_only():
     """The table launches in LPT order at hdim 128 causal (4k +4-6% on the H200,

@@ -161,10 +161,27 @@ class BwdTiles:
     # mean (a greedy dynamic share: 1.02x). K and V still load only after the
     # previous tile's stores, so their latency stays exposed.
     persistent: bool = False
+    # With lpt: the launch order's divisors (section tiles, section, the last
+    # section's heads, kv heads) are set up on the host, and each CTA finds its
+    # coordinates with multiply-shift divisions (``lpt_key_block_fast``) instead of
+    # the run-time integer divisions of ``lpt_coord``. Those are about 170 dependent
+    # instructions ahead of every warp's first step, the load warp's first TMA
+    # included: Nsight Compute put 3.5% of the walk's samples on them at 1k causal
+    # (ninth session), flash-attn-4's prologue 1%. Same order, 51 instructions before
+    # the first barrier instead of 172. Off: level on the H200 (hdim 128 causal,
+    # main kernel, 9 alternating rounds: 1.002x at 1k, 1.003x at 4k; tenth session).
+    lpt_host_div: bool = False
+    # Each column's Dpsum loads into registers with LSElog2, before S^T is issued
+    # (16 columns only, as lse_early), not just before the wait for dP^T
+    # (dpsum_early): at 1k causal Nsight Compute put 4% of the walk's samples on the
+    # first use of those late loads, queued behind the GEMMs' shared-memory reads
+    # (the ninth session's profile); flash-attn-4 loads them before its exp2s. In
+    # the table at hdim 128 (tenth session).
+    dpsum_top: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
-# lse_early, dpsum_early, dv_done_before_dk, lpt).
+# lse_early, dpsum_early, dv_done_before_dk, lpt, dpsum_top).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
 # queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
@@ -175,12 +192,14 @@ class BwdTiles:
 # dQ order measured level (+0.5%). lse_early / dpsum_early: "v5" in the log.
 # dv_done_before_dk: +2.7% at hdim 64 causal (9 alternating rounds and a single
 # timing agree), level elsewhere; lpt: +4-6% at hdim 128 causal 4k, level at 1k and
-# 16k, 4-6% slower at hdim 64 (eighth session).
+# 16k, 4-6% slower at hdim 64 (eighth session); dpsum_top: +0.8% to +5.3% at hdim
+# 128 in 8 alternating-round A/Bs (9-15 rounds; 1k, 4k, 16k, both masks), none
+# below level (tenth session); at hdim 64 it does not apply (32 columns).
 _TILE_TABLE = {
-    (64, False): (128, True, False, True, False, False, False, False),
-    (64, True): (128, True, False, True, False, False, True, False),
-    (128, False): (64, True, False, True, True, True, False, False),
-    (128, True): (64, True, False, True, True, True, False, True),
+    (64, False): (128, True, False, True, False, False, False, False, False),
+    (64, True): (128, True, False, True, False, False, True, False, False),
+    (128, False): (64, True, False, True, True, True, False, False, True),
+    (128, True): (64, True, False, True, True, True, False, True, True),
 }
 
 
@@ -197,11 +216,11 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
     (tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk,
-     lpt) = _TILE_TABLE[(head_dim, bool(causal))]
+     lpt, dpsum_top) = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early,
-                    dv_done_before_dk=dv_done_before_dk, lpt=lpt)
+                    dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
@@ -212,6 +231,37 @@ def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
     last_first, head, batch = lpt_tile(t, num_n_blocks, num_kv_heads, num_hb, section,
                                        minimum)
     return num_n_blocks - 1 - last_first, head, batch
+
+
+def lpt_key_block_fast(t, div_section_tiles, div_section, div_last, div_heads, section,
+                       full_sections, select=lambda c, a, b: a if c else b):
+    """``lpt_key_block`` from divisors set up once per launch (``lpt_divisors``):
+    plain ints (tests) or the CuTe DSL's fast divisors, whose ``divmod`` is a
+    multiply and a shift. div_section_tiles divides by section * num_n_blocks,
+    div_section by section, div_last by the heads of the last, short section (1 if
+    there is none), div_heads by the kv heads; full_sections = num_hb // section."""
+    sec, rest = divmod(t, div_section_tiles)
+    n_full, r_full = divmod(rest, div_section)
+    n_last, r_last = divmod(rest, div_last)
+    short = sec == full_sections
+    hb = sec * section + select(short, r_last, r_full)
+    batch, head = divmod(hb, div_heads)
+    return select(short, n_last, n_full), head, batch
+
+
+def lpt_divisors(num_n_blocks, q_blocks, num_kv_heads, batch, q_block_bytes: int,
+                 divisor=lambda x: x, select=lambda c, a, b: a if c else b, one=1,
+                 maximum=max):
+    """The arguments of ``lpt_key_block_fast`` after t: (div_section_tiles,
+    div_section, div_last, div_heads, section, full_sections), for the order
+    ``lpt_coord`` computes (sections of ``lpt_section_size`` kv heads); q_blocks =
+    query blocks x GQA group. ``divisor`` makes a divisor of an integer."""
+    section = lpt_section_size(q_blocks, 1, q_block_bytes, select, one)
+    num_hb = num_kv_heads * batch
+    full_sections = num_hb // section
+    last = num_hb - full_sections * section
+    return (divisor(section * num_n_blocks), divisor(section), divisor(maximum(last, one)),
+            divisor(num_kv_heads), section, full_sections)
 
 
 def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
@@ -273,6 +323,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         # The deterministic backward has its own launch order (det_key_block).
         self.lpt = t.lpt and causal and not deterministic
         self.persistent = t.persistent
+        self.lpt_host_div = self.lpt and t.lpt_host_div and not t.persistent
         if t.persistent and (deterministic or not t.dq_flat or t.split_kv):
             raise ValueError("the persistent backward needs dq_flat, one K/V mbarrier "
                              "(split_kv off) and the non-deterministic mode")
@@ -396,9 +447,13 @@ class FlashBwdSm90(Sm90BwdCommon):
             grid = (num_n_blocks * cute.size(mK.shape[2]) * cute.size(mK.shape[3]), 1, 1)
         if const_expr(self.persistent):
             grid = (cutlass.min(grid[0], self.num_sms), 1, 1)
+        lpt_divs = None
+        if const_expr(self.lpt_host_div):
+            lpt_divs = self.lpt_host_divisors(num_n_blocks, mQ, mK)
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
-            mdQsem, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK, tma_dV,
+            mdQsem, lpt_divs, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK,
+            tma_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
         ).launch(
@@ -417,19 +472,32 @@ class FlashBwdSm90(Sm90BwdCommon):
         hb = t // num_n_blocks
         return t - hb * num_n_blocks, hb % mK.shape[2], hb // mK.shape[2]
 
+    def _lpt_q_block_bytes(self) -> int:
+        """What one query block of one q head keeps in L2 in the LPT order: Q, dO,
+        the fp32 dQ partials and the two row statistics."""
+        return self.tile_m * ((self.head_dim + self.head_dim_v) * (self.dtype.width // 8)
+                              + 4 * self.head_dim + 8)
+
     def lpt_coord(self, t, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
         """(n_block, kv head, batch) of CTA t in the LPT order (``BwdTiles.lpt``)."""
         num_kv_heads = mK.shape[2]
         group = mQ.shape[2] // num_kv_heads
-        # What one query block of one q head keeps in L2: Q, dO, the fp32 dQ
-        # partials and the two row statistics.
-        q_block_bytes = self.tile_m * ((self.head_dim + self.head_dim_v) * (self.dtype.width // 8)
-                                       + 4 * self.head_dim + 8)
         section = lpt_section_size(
-            cute.ceil_div(mQ.shape[0], self.tile_m) * group, 1, q_block_bytes,
+            cute.ceil_div(mQ.shape[0], self.tile_m) * group, 1, self._lpt_q_block_bytes(),
             lambda c, a, b: cutlass.select_(c, cutlass.Int32(a), b), cutlass.Int32(1))
         return lpt_key_block(t, num_n_blocks, num_kv_heads, num_kv_heads * mK.shape[3],
                              section, cutlass.min)
+
+    def lpt_host_divisors(self, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
+        """Host side of ``BwdTiles.lpt_host_div``: ``lpt_divisors`` for this launch
+        (TMA views), as fast divisors the kernel takes as arguments."""
+        num_kv_heads = mK.shape[2]
+        return lpt_divisors(
+            num_n_blocks, cute.ceil_div(mQ.shape[0], self.tile_m) * (mQ.shape[2] // num_kv_heads),
+            num_kv_heads, mK.shape[3], self._lpt_q_block_bytes(),
+            cute.fast_divmod_create_divisor_v2,
+            lambda c, a, b: cutlass.select_(c, cutlass.Int32(a), b), cutlass.Int32(1),
+            cutlass.max)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -445,6 +513,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
         mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic only)
+        lpt_divs: tuple | None,  # lpt_host_divisors (BwdTiles.lpt_host_div only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -473,7 +542,10 @@ class FlashBwdSm90(Sm90BwdCommon):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-        if const_expr(self.lpt and not self.persistent):
+        if const_expr(self.lpt_host_div):
+            n_block, head_kv, batch = lpt_key_block_fast(
+                n_block, *lpt_divs, lambda c, a, b: cutlass.select_(c, a, b))
+        elif const_expr(self.lpt and not self.persistent):
             n_block, head_kv, batch = self.lpt_coord(n_block, num_n_blocks, mQ, mK)
         if const_expr(self.deterministic):
             # Causal, key blocks launch last first: each waits only on higher key
@@ -716,6 +788,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
         hoist_lse = n_cols <= 20
+        dpsum_top = self.tiles.dpsum_top and hoist_lse
         # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block; with
         # dq_swap transposed (st.matrix .trans), into the keys-contiguous dS.
         stsm = cute.make_copy_atom(
@@ -782,6 +855,10 @@ class FlashBwdSm90(Sm90BwdCommon):
             if const_expr(hoist_lse and self.tiles.lse_early):
                 for c in cutlass.range_constexpr(n_cols):
                     lse[c] = sLSE[tScS[0, c][1], stage]
+            dpsum = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
+            if const_expr(dpsum_top):
+                for c in cutlass.range_constexpr(n_cols):
+                    dpsum[c] = sDpsum[tScS[0, c][1], stage]
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
             wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
             if const_expr(self.split_kv):
@@ -818,8 +895,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
             if const_expr(not self.tiles.pin_dp_wait):
                 convert_to_operand_a(acc_S, tdVrP, self.dtype)
-            dpsum = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
-            if const_expr(self.tiles.dpsum_early):
+            if const_expr(self.tiles.dpsum_early and not dpsum_top):
                 for c in cutlass.range_constexpr(n_cols):
                     dpsum[c] = sDpsum[tScS[0, c][1], stage]
             if const_expr(self.tiles.pin_dp_wait):
@@ -838,7 +914,7 @@ class FlashBwdSm90(Sm90BwdCommon):
 
             dP = acc_mn_view(acc_dP)
             for c in cutlass.range_constexpr(n_cols):
-                if const_expr(not self.tiles.dpsum_early):
+                if const_expr(not (self.tiles.dpsum_early or dpsum_top)):
                     dpsum[c] = sDpsum[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
                     dP[r, c] = S[r, c] * (dP[r, c] - dpsum[c])
