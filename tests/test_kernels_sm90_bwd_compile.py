@@ -52,6 +52,13 @@ def _knob_sass(dump, head_dim: int, causal: bool, **knobs) -> str:
     return sass
 
 
+def _knob_counts(tmp_path, count, head_dim: int, causal: bool, knob: str) -> dict:
+    """count(SASS) of the table's kernel (``_knob_sass``) with BwdTiles.<knob> off and
+    on."""
+    return {on: count(_knob_sass(tmp_path / f"{knob}_{on}", head_dim, causal, **{knob: on}))
+            for on in (False, True)}
+
+
 def _lower_bwd(dtype, head_dim: int, causal: bool, compile_options: str | None = None) -> str:
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
 
@@ -280,10 +287,9 @@ def test_bwd_dv_done_before_dk_knob(tmp_path, head_dim):
 
     assert [bwd_tiles(d, c).dv_done_before_dk for d in (64, 128) for c in (False, True)] == [
         False, True, False, False]
-    counts = {}
-    for knob in (False, True):
-        sass = _knob_sass(tmp_path / str(knob), head_dim, False, dv_done_before_dk=knob)
-        counts[knob] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass))
+    counts = _knob_counts(
+        tmp_path, lambda sass: len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)),
+        head_dim, False, "dv_done_before_dk")
     assert counts[True] == counts[False] + 1, counts
 
 
@@ -296,9 +302,8 @@ def test_bwd_pin_dp_wait_knob(tmp_path):
     from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
     assert not any(bwd_tiles(d, c).pin_dp_wait for d in (64, 128) for c in (False, True))
-    between = {knob: max(exp2s_between_waits(_knob_sass(tmp_path / str(knob), 128, False,
-                                                         pin_dp_wait=knob)))
-               for knob in (False, True)}
+    between = _knob_counts(tmp_path, lambda sass: max(exp2s_between_waits(sass)), 128, False,
+                           "pin_dp_wait")
     assert between == {False: 0, True: 32}, between
 
 
@@ -309,16 +314,16 @@ def test_bwd_split_kv_knob(tmp_path, head_dim):
     item). The MMA warpgroups then wait for V in the walk, between the S^T and the
     dP^T GEMMs (one more mbarrier wait, no spills, no serialised wgmma), and the
     K/V pipeline gets two stages."""
-    waits = {}
-    for knob in (False, True):
-        sass = _knob_sass(tmp_path / str(knob), head_dim, True, split_kv=knob)
+    def waits_and_split(sass: str):
         # The walk: the first S^T GEMM's 8 / 4 HGMMAs, then the dP^T GEMM's; with the
         # knob an mbarrier wait sits between them.
         hgmma_then_wait = re.search(r"HGMMA[^\n]*\n(?:(?!HGMMA)[^\n]*\n)*?[^\n]*"
                                     r"SYNCS\.PHASECHK[^\n]*\n(?:(?!HGMMA)[^\n]*\n)*?"
                                     r"[^\n]*HGMMA", sass)
-        waits[knob] = (len(re.findall(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", sass)),
-                       hgmma_then_wait is not None)
+        return (len(re.findall(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", sass)),
+                hgmma_then_wait is not None)
+
+    waits = _knob_counts(tmp_path, waits_and_split, head_dim, True, "split_kv")
     assert waits[True][0] > waits[False][0], waits
     assert waits[True][1] and not waits[False][1], waits
 
@@ -338,9 +343,8 @@ def test_bwd_persistent_knob(tmp_path, head_dim, causal):
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic, bwd_tiles
 
     assert not any(bwd_tiles(d, c).persistent for d in (64, 128) for c in (False, True))
-    hgmma = {knob: len(re.findall(r"\bHGMMA\.", _knob_sass(tmp_path / str(knob), head_dim,
-                                                             causal, persistent=knob)))
-             for knob in (False, True)}
+    hgmma = _knob_counts(tmp_path, lambda sass: len(re.findall(r"\bHGMMA\.", sass)),
+                         head_dim, causal, "persistent")
     assert hgmma[True] == hgmma[False], hgmma
     pers = dataclasses.replace(bwd_tiles(128, True), persistent=True)
     for bad, cls in ((pers, FlashBwdSm90Deterministic),
@@ -425,8 +429,7 @@ def test_bwd_dpsum_top_in_table_at_hdim128(tmp_path, causal):
         after_wait = head.rsplit("SYNCS.PHASECHK.TRANS64.TRYWAIT", 1)[1]
         return len(re.findall(r"\bLDS\.64\b", after_wait))
 
-    counts = {knob: loads_before_first_gemm(
-        _knob_sass(tmp_path / str(knob), 128, causal, dpsum_top=knob)) for knob in (False, True)}
+    counts = _knob_counts(tmp_path, loads_before_first_gemm, 128, causal, "dpsum_top")
     assert counts == {False: 8, True: 16}, counts
 
 
@@ -446,8 +449,7 @@ def test_bwd_lpt_host_div_knob(tmp_path):
         head = sass.split("BAR.SYNC.DEFER_BLOCKING 0x0", 1)[0]
         return len(re.findall(r"\bI2F\.RP\b", head))
 
-    counts = {knob: divisions_before_first_barrier(
-        _knob_sass(tmp_path / str(knob), 128, True, lpt_host_div=knob)) for knob in (False, True)}
+    counts = _knob_counts(tmp_path, divisions_before_first_barrier, 128, True, "lpt_host_div")
     assert counts == {False: 3, True: 1}, counts
 
 

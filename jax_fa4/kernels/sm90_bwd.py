@@ -172,11 +172,11 @@ class BwdTiles:
     # main kernel, 9 alternating rounds: 1.002x at 1k, 1.003x at 4k; tenth session).
     lpt_host_div: bool = False
     # Each column's Dpsum loads into registers with LSElog2, before S^T is issued
-    # (16 columns only, as lse_early), not just before the wait for dP^T
-    # (dpsum_early): at 1k causal Nsight Compute put 4% of the walk's samples on the
-    # first use of those late loads, queued behind the GEMMs' shared-memory reads
-    # (the ninth session's profile); flash-attn-4 loads them before its exp2s. In
-    # the table at hdim 128 (tenth session).
+    # (16 columns, 64-row tiles, not persistent: else it spills), not just before
+    # the wait for dP^T (dpsum_early): at 1k causal Nsight Compute put 4% of the
+    # walk's samples on the first use of those late loads, queued behind the GEMMs'
+    # shared-memory reads (the ninth session's profile); flash-attn-4 loads them
+    # before its exp2s. In the table at hdim 128 (tenth session).
     dpsum_top: bool = False
 
 
@@ -788,7 +788,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
         hoist_lse = n_cols <= 20
-        dpsum_top = self.tiles.dpsum_top and hoist_lse
+        # 16 more live registers: at 20 columns (80-row tiles) and in the persistent
+        # walk they spill, so there Dpsum loads as dpsum_early says.
+        dpsum_top = self.tiles.dpsum_top and n_cols <= 16 and not self.persistent
         # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block; with
         # dq_swap transposed (st.matrix .trans), into the keys-contiguous dS.
         stsm = cute.make_copy_atom(
