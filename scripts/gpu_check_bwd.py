@@ -78,6 +78,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, lpt=knob == "lpt")
         elif knob in ("dtop", "nodtop"):  # Dpsum loaded with LSElog2 before S^T, or later
             tiles = dataclasses.replace(tiles, dpsum_top=knob == "dtop")
+        elif knob in ("elect", "noelect"):  # Q / dO stage released from an elected lane
+            tiles = dataclasses.replace(tiles, elect_release=knob == "elect")
         elif knob in ("hdiv", "nohdiv"):  # LPT coordinates: host divisors / run-time divisions
             tiles = dataclasses.replace(tiles, lpt_host_div=knob == "hdiv")
         elif knob != "default":
@@ -343,6 +345,8 @@ def main():
                          "splitkv / nosplitkv (K and V on two mbarriers or one), "
                          "pers / nopers (persistent CTAs walking the tiles, or one per tile), "
                          "dtop / nodtop (Dpsum loaded with LSElog2 before S^T or later), "
+                         "elect / noelect (Q / dO stages released by an elect.sync lane "
+                         "or the pipeline's lane test), "
                          "hdiv / nohdiv (LPT coordinates from host divisors or run-time "
                          "divisions), combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",

@@ -211,7 +211,8 @@ def main() -> int:
         "causal: dynamic tile counter), lpt (longest-first tile order, causal only), "
         "nopers / nolpt (those off), oq (persistent O in the Q buffer), prune / noprune "
         "(non-causal: the diagonal loop left out / traced), merge / nomerge (causal: one loop, "
-        "masking by a run-time test), joined with +",
+        "masking by a run-time test), elect / noelect (stages released by an elect.sync lane "
+        "or the pipeline's lane test), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -261,7 +262,8 @@ def main() -> int:
              "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False),
              "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False),
              "merge": ("merge_diagonal_loop", True), "pin": ("pin_pv_wait", True),
-             "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False)}
+             "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False),
+             "elect": ("elect_release", True), "noelect": ("elect_release", False)}
 
     def tile_variant(spec):
         over = {}

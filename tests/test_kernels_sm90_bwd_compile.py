@@ -434,6 +434,27 @@ def test_bwd_dpsum_top_in_table_at_hdim128(tmp_path, causal):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_elect_release_in_table_at_hdim128(tmp_path, causal):
+    """BwdTiles.elect_release (the table's at hdim 128, eleventh session): the MMA
+    warpgroups release each Q / dO stage from an ELECT lane, so the walk (first to
+    last wgmma) reads no thread index (S2R SR_TID), which ptxas re-reads there for
+    the pipeline's own lane test; no spills or serialised wgmma (_knob_sass)."""
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    assert [bwd_tiles(d, c).elect_release for d in (64, 128) for c in (False, True)] == [
+        False, False, True, True]
+
+    def walk_counts(sass: str) -> tuple[int, int]:
+        walk = sass[sass.index("HGMMA"):sass.rindex("HGMMA")]
+        return (len(re.findall(r"\bS2R R\d+, SR_TID", walk)),
+                len(re.findall(r"\bELECT\b", walk)))
+
+    counts = _knob_counts(tmp_path, walk_counts, 128, causal, "elect_release")
+    assert counts == {False: (1, 0), True: (0, 1)}, counts
+
+
+@needs_cutlass
 def test_bwd_lpt_host_div_knob(tmp_path):
     """BwdTiles.lpt_host_div (off in the table: level on the H200, tenth session):
     the hdim 128 causal kernel (LPT order) then finds its coordinates

@@ -333,3 +333,27 @@ def test_fwd_merge_diagonal_loop_and_pin_pv_wait(tmp_path, monkeypatch, d):
     assert under[True, False] == [0], under  # the wait lands at the join
     assert under[True, True] == [per_step], under
     assert 0 < min(under[False, False]) < per_step, under  # ptxas hoists it part way
+
+
+def test_fwd_elect_release_knob(tmp_path):
+    """Sm90FwdTiles.elect_release (off: 0.975-1.005x on the H200, eleventh session):
+    the consumers release K / V / Q stages from an ELECT lane, so no lane test
+    (``tid & 31`` into a predicate) is left between the first and last wgmma,
+    where the table's kernel has some; both without spills."""
+    import dataclasses
+    import re
+
+    def lane_tests(on: bool) -> int:
+        tiles = dataclasses.replace(fwd_tiles(128, 128, False), elect_release=on)
+        dump = tmp_path / f"elect_{on}"
+        lower_fwd_sm90(jnp.bfloat16, 128, False, tiles=tiles,
+                       compile_options=dump_options(dump))
+        sass = dumped_sass(dump)
+        assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+        walk = sass[sass.index("HGMMA"):sass.rindex("HGMMA")]
+        assert ("ELECT" in walk) == on
+        return len(re.findall(r"LOP3\.LUT P\d, RZ, R\d+, 0x1f,", walk))
+
+    assert not fwd_tiles(128, 128, False).elect_release
+    assert lane_tests(False) > 0
+    assert lane_tests(True) == 0

@@ -62,6 +62,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
     bulk_reduce_add_f32,
+    consumer_release_elected,
     convert_to_operand_a,
     init_bwd_kernel,
     semaphore_release_after_bulk,
@@ -178,10 +179,16 @@ class BwdTiles:
     # shared-memory reads (the ninth session's profile); flash-attn-4 loads them
     # before its exp2s. In the table at hdim 128 (tenth session).
     dpsum_top: bool = False
+    # The MMA warpgroups release each Q / dO stage from a lane chosen by elect.sync
+    # (``consumer_release_elected``), not by the pipeline's lane test, which ptxas
+    # recomputed in the walk from an S2R of the thread index: its first use took
+    # 3.8% of the walk's stall samples at hdim 128, 1k causal (eleventh session).
+    # In the table at hdim 128.
+    elect_release: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
-# lse_early, dpsum_early, dv_done_before_dk, lpt, dpsum_top).
+# lse_early, dpsum_early, dv_done_before_dk, lpt, dpsum_top, elect_release).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
 # queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
@@ -195,11 +202,13 @@ class BwdTiles:
 # 16k, 4-6% slower at hdim 64 (eighth session); dpsum_top: +0.8% to +5.3% at hdim
 # 128 in 8 alternating-round A/Bs (9-15 rounds; 1k, 4k, 16k, both masks), none
 # below level (tenth session); at hdim 64 it does not apply (32 columns).
+# elect_release: at hdim 128, 1.016x / 1.026x causal (1k / 4k) and 1.000x / 1.000x
+# non-causal, 9 alternating rounds each (eleventh session); not timed at hdim 64.
 _TILE_TABLE = {
-    (64, False): (128, True, False, True, False, False, False, False, False),
-    (64, True): (128, True, False, True, False, False, True, False, False),
-    (128, False): (64, True, False, True, True, True, False, False, True),
-    (128, True): (64, True, False, True, True, True, False, True, True),
+    (64, False): (128, True, False, True, False, False, False, False, False, False),
+    (64, True): (128, True, False, True, False, False, True, False, False, False),
+    (128, False): (64, True, False, True, True, True, False, False, True, True),
+    (128, True): (64, True, False, True, True, True, False, True, True, True),
 }
 
 
@@ -216,11 +225,12 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
     (tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk,
-     lpt, dpsum_top) = _TILE_TABLE[(head_dim, bool(causal))]
+     lpt, dpsum_top, elect_release) = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early,
-                    dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top)
+                    dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top,
+                    elect_release=elect_release)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
@@ -960,7 +970,10 @@ class FlashBwdSm90(Sm90BwdCommon):
                                      number_of_threads=dq_threads)
 
             warpgroup.wait_group(0)
-            pipe_qdo.consumer_release(state)
+            if const_expr(self.tiles.elect_release):
+                consumer_release_elected(pipe_qdo, state)
+            else:
+                pipe_qdo.consumer_release(state)
             state.advance()
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv, ds_bar,
                       tidx, n_block, head_kv, batch)

@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
     as_cutlass_dtype,
+    consumer_release_elected,
     convert_to_operand_a,
     permute,
     sm90_smem_layout,
@@ -143,6 +144,11 @@ class Sm90FwdTiles:
     # merge_diagonal_loop. No effect at hdim 64, where ptxas sinks the exp2s
     # below the boundary.
     pin_pv_wait: bool = False
+    # The consumers release K, V and Q stages from a lane chosen by elect.sync
+    # (``consumer_release_elected``) instead of the pipeline's lane test, which
+    # ptxas recomputes in the loop from an S2R of the thread index (the backward's
+    # Nsight Compute profile put 3.8% of its walk on that read, eleventh session).
+    elect_release: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -834,6 +840,13 @@ class FlashFwdSm90:
                 barrier_id=_BAR_SCHED_WG1 - 1 + wg, number_of_threads=2 * _THREADS_PER_WG
             )
 
+    def _release(self, pipe, state):
+        """Release a consumed K / V / Q stage (``Sm90FwdTiles.elect_release``)."""
+        if cutlass.const_expr(self.tiles.elect_release):
+            consumer_release_elected(pipe, state)
+        else:
+            pipe.consumer_release(state)
+
     def _sched_arrive(self):
         """Hand the GEMM turn to the next consumer warpgroup (round robin)."""
         if cutlass.const_expr(self.pingpong):
@@ -946,7 +959,7 @@ class FlashFwdSm90:
             acc_S = qk(state.index, wg_wait=-1)
             self._sched_arrive()
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(state)
+            self._release(pipe_k, state)
             mask.apply(acc_S, m_block, n_last, mask_seqlen=True, mask_causal=self.causal)
             softmax.online_softmax(acc_S, is_first=True)
             to_p(acc_S)
@@ -967,7 +980,7 @@ class FlashFwdSm90:
                                                   mask_causal=False)
             if cutlass.const_expr(self.own_o):
                 # Every S = Q K^T of this tile is done: the next tile's Q may load.
-                pipe_q.consumer_release(q_state)
+                self._release(pipe_q, q_state)
                 q_state.advance()
             # Last P V.
             pipe_v.consumer_wait(state)
@@ -975,7 +988,7 @@ class FlashFwdSm90:
             pv(state.index, wg_wait=-1)
             self._sched_arrive()
             warpgroup.wait_group(0)
-            pipe_v.consumer_release(state)
+            self._release(pipe_v, state)
             state.advance()
         else:
             state = self._serial_step(state, n_last, *step_args, mask_seqlen=True,
@@ -990,7 +1003,7 @@ class FlashFwdSm90:
                                           mask_seqlen=False, mask_causal=False)
 
             if cutlass.const_expr(self.own_o):
-                pipe_q.consumer_release(q_state)
+                self._release(pipe_q, q_state)
                 q_state.advance()
 
         inv_sum, lse = softmax.finalize()
@@ -1002,7 +1015,7 @@ class FlashFwdSm90:
             # O went out through the Q buffer: once the store has read it (waited
             # for in the epilogue), the next tile's Q may load.
             cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-            pipe_q.consumer_release(q_state)
+            self._release(pipe_q, q_state)
             q_state.advance()
         return q_state, state
 
@@ -1035,7 +1048,7 @@ class FlashFwdSm90:
         pv(state_v.index, wg_wait=-1)
         self._sched_arrive()
         warpgroup.wait_group(1)  # S ready; P V may still run
-        pipe_k.consumer_release(state)
+        self._release(pipe_k, state)
         if cutlass.const_expr(mask_causal):
             mask.apply(acc_S, m_block, n_block, mask_seqlen=False, mask_causal=True,
                        when=mask_if)
@@ -1046,7 +1059,7 @@ class FlashFwdSm90:
             if row_scale[0] < 0.0:
                 cute.arch.sync_warp()
         warpgroup.wait_group(0)  # P V done: tOrP and acc_O are free
-        pipe_v.consumer_release(state_v)
+        self._release(pipe_v, state_v)
         to_p(acc_S)
         rescale_rows_if_needed(acc_O, row_scale)
         return state
@@ -1075,7 +1088,7 @@ class FlashFwdSm90:
         acc_S = qk(state.index, wg_wait=-1)
         self._sched_arrive()
         warpgroup.wait_group(0)
-        pipe_k.consumer_release(state)
+        self._release(pipe_k, state)
         if cutlass.const_expr(mask_seqlen or mask_causal):
             mask.apply(acc_S, m_block, n_block, mask_seqlen=mask_seqlen, mask_causal=mask_causal)
         row_scale = softmax.online_softmax(acc_S, is_first=is_first)
@@ -1087,7 +1100,7 @@ class FlashFwdSm90:
         pv(state.index, wg_wait=-1)
         self._sched_arrive()
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(state)
+        self._release(pipe_v, state)
         state.advance()
         return state
 
