@@ -202,8 +202,9 @@ class BwdTiles:
 # 16k, 4-6% slower at hdim 64 (eighth session); dpsum_top: +0.8% to +5.3% at hdim
 # 128 in 8 alternating-round A/Bs (9-15 rounds; 1k, 4k, 16k, both masks), none
 # below level (tenth session); at hdim 64 it does not apply (32 columns).
-# elect_release: at hdim 128, 1.016x / 1.026x causal (1k / 4k) and 1.000x / 1.000x
-# non-causal, 9 alternating rounds each (eleventh session); not timed at hdim 64.
+# elect_release: at hdim 128 (main kernel, alternating rounds, eleventh session)
+# causal 1.016x / 1.007x at 1k (9 / 15 rounds), 1.026x at 4k, 1.022x at 16k (9);
+# non-causal 1.000x / 1.002x at 1k, 1.000x at 4k, 0.997x at 16k; not timed at hdim 64.
 _TILE_TABLE = {
     (64, False): (128, True, False, True, False, False, False, False, False, False),
     (64, True): (128, True, False, True, False, False, True, False, False, False),
