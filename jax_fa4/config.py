@@ -59,7 +59,9 @@ class AttentionConfig:
 class KernelKey:
     """The compile key of one kernel: a new key means a new cute.compile."""
 
-    kind: str  # "fwd", "bwd_pre", "bwd", "bwd_det" (deterministic), "bwd_post"
+    # "fwd", "bwd_pre" (or "bwd_pre_by_thread": statistics in the main kernel's
+    # by-thread order), "bwd", "bwd_det" (deterministic), "bwd_post"
+    kind: str
     arch: str  # "sm_90a", "sm_100a"
     dtype: str  # "bfloat16" / "float16"
     head_dim: int

@@ -37,7 +37,7 @@ from cutlass.jax import TensorSpec, cutlass_call, get_export_disabled_safety_che
 from jax import export  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded  # noqa: E402
+from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded, stat_order  # noqa: E402
 from jax_fa4.kernels.dq_layout import unflatten_dq_accum  # noqa: E402
 from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles  # noqa: E402
 
@@ -78,6 +78,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, lpt=knob == "lpt")
         elif knob in ("dtop", "nodtop"):  # Dpsum loaded with LSElog2 before S^T, or later
             tiles = dataclasses.replace(tiles, dpsum_top=knob == "dtop")
+        elif knob in ("sbt", "nosbt"):  # row statistics in by-thread order (LDS.128) or rows
+            tiles = dataclasses.replace(tiles, stats_by_thread=knob == "sbt")
         elif knob in ("elect", "noelect"):  # Q / dO stage released from an elected lane
             tiles = dataclasses.replace(tiles, elect_release=knob == "elect")
         elif knob in ("hdiv", "nohdiv"):  # LPT coordinates: host divisors / run-time divisions
@@ -150,11 +152,22 @@ def q_tile_pad(d, causal, variant):
     return tile_m if tile_m % 64 else None
 
 
-def pad_stats(dpsum, lse_log2, tile_m=None):
-    """The workspaces' Sq_pad rows: Dpsum 0 and LSElog2 +inf past Sq (bwd_preprocess)."""
-    pad = seqlen_q_padded(dpsum.shape[-1], tile_m) - dpsum.shape[-1]
-    widths = ((0, 0), (0, 0), (0, pad))
-    return (jnp.pad(dpsum, widths), jnp.pad(lse_log2, widths, constant_values=jnp.inf))
+def pad_stats(dpsum, lse_log2, tile_m=None, stats_block=None):
+    """The workspaces' Sq_pad rows: Dpsum 0 and LSElog2 +inf past Sq (bwd_preprocess),
+    in the by-thread order of ``stat_position`` when stats_block is set."""
+    sqp = seqlen_q_padded(dpsum.shape[-1], tile_m)
+    widths = ((0, 0), (0, 0), (0, sqp - dpsum.shape[-1]))
+    dpsum, lse_log2 = jnp.pad(dpsum, widths), jnp.pad(lse_log2, widths, constant_values=jnp.inf)
+    if stats_block is not None:
+        order = stat_order(sqp, stats_block)
+        dpsum, lse_log2 = dpsum[..., order], lse_log2[..., order]
+    return dpsum, lse_log2
+
+
+def stats_block_of(d, causal, variant):
+    """The by-thread statistics block of this variant's main kernel, or None."""
+    tiles = make_tiles(d, causal, variant)
+    return tiles.tile_m if tiles.stats_by_thread else None
 
 
 def flat_tile_m(d, causal, variant):
@@ -170,7 +183,7 @@ def jnp_postprocess(dq_accum, sq, scale, dtype, tile_m):
     return (scale * dq_accum[:, :, :sq]).transpose(0, 2, 1, 3).astype(dtype), dq_accum
 
 
-def make_runner(kcall, scale, causal, tile_m=None, pad_tile=None):
+def make_runner(kcall, scale, causal, tile_m=None, pad_tile=None, stats_block=None):
     @jax.jit
     def run(q, k, v, do):
         f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
@@ -183,7 +196,7 @@ def make_runner(kcall, scale, causal, tile_m=None, pad_tile=None):
         o = o32.astype(q.dtype)
         dpsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
         bsz, sq, hq, d = q.shape
-        dpsum, lse_log2 = pad_stats(dpsum, lse32 * LOG2_E, pad_tile)
+        dpsum, lse_log2 = pad_stats(dpsum, lse32 * LOG2_E, pad_tile, stats_block)
         dq_accum = jnp.zeros((bsz, hq, seqlen_q_padded(sq, pad_tile), d), jnp.float32)
         dq_accum, dk, dv = kcall(q, k, v, do, lse_log2, dpsum, dq_accum)
         dq, dq_accum = jnp_postprocess(dq_accum, sq, scale, q.dtype, tile_m)
@@ -345,6 +358,8 @@ def main():
                          "splitkv / nosplitkv (K and V on two mbarriers or one), "
                          "pers / nopers (persistent CTAs walking the tiles, or one per tile), "
                          "dtop / nodtop (Dpsum loaded with LSElog2 before S^T or later), "
+                         "sbt / nosbt (LSElog2 / Dpsum in by-thread order, as the "
+                         "preprocess writes them for stats_by_thread, or in rows), "
                          "elect / noelect (Q / dO stages released by an elect.sync lane "
                          "or the pipeline's lane test), "
                          "hdiv / nohdiv (LPT coordinates from host divisors or run-time "
@@ -410,7 +425,8 @@ def main():
         tag = f"{variant} {dtype.__name__} d{d} c{int(causal)}"
         try:
             run = make_runner(make_kcall(dtype, d, causal, scale, variant), scale, causal,
-                              flat_tile_m(d, causal, variant), q_tile_pad(d, causal, variant))
+                              flat_tile_m(d, causal, variant), q_tile_pad(d, causal, variant),
+                              stats_block_of(d, causal, variant))
         except Exception as e:
             log.exception("build failed")
             rows.append((tag, f"BUILD FAIL {e}"))

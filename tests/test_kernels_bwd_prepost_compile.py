@@ -13,10 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_compile import dump_options, lower
+from kernel_compile import dump_options, dumped_sass, lower
 
 from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
-from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess, bwd_workspace_shapes
+from jax_fa4.kernels.bwd_preprocess import (
+    FlashBwdPreprocess,
+    bwd_workspace_shapes,
+    stat_order,
+    stat_position,
+)
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -49,6 +54,49 @@ def test_preprocess_compiles(arch, dtype, head_dim):
     text = lower(lambda: FlashBwdPreprocess(dtype, head_dim, head_dim), arch,
                  (o, o, lse, lse), outs)
     assert "custom_call" in text
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_stat_order_gives_each_thread_a_contiguous_run(block):
+    """stat_position (BwdTiles.stats_by_thread): a permutation inside every block of
+    a workspace, under which the columns 8 j + 2 q + e that the sm90 wgmma
+    accumulator gives lane quad q land at q * block / 4 + (0 .. block / 4 - 1),
+    in the thread's register order (e fastest, then j)."""
+    sqp = 2 * 128
+    order = stat_order(sqp, block)
+    assert sorted(order) == list(range(sqp))
+    assert all(r // block == p // block for p, r in enumerate(order))  # stays in its block
+    assert stat_position(np.arange(sqp), None).tolist() == list(range(sqp))
+    for base in (0, block):
+        for q in range(4):
+            cols = [base + 8 * j + 2 * q + e for j in range(block // 8) for e in (0, 1)]
+            run = base + q * block // 4
+            assert [stat_position(c, block) for c in cols] == list(range(run, run + block // 4))
+    with pytest.raises(ValueError, match="statistics block"):
+        FlashBwdPreprocess(jnp.bfloat16, 128, 128, stat_block=80)
+
+
+@needs_cutlass
+def test_preprocess_by_thread_order_compiles(tmp_path):
+    """The preprocess with a by-thread statistics block (64, the hdim 128 main
+    kernel's query tile) lowers for sm_90a with the same stores as in row order:
+    8 128-bit zeroing stores of dQaccum and 5 scalar statistic stores per thread
+    (LSElog2 and its 4 Dpsum rows), now at the positions of stat_position."""
+    batch, seqlen, heads, d = 2, 203, 3, 128
+    ws = bwd_workspace_shapes(batch, seqlen, heads, d)
+    o = jax.ShapeDtypeStruct((batch, seqlen, heads, d), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)
+    outs = tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
+    sass = {}
+    for block in (None, 64):
+        dump = tmp_path / str(block)
+        text = lower(lambda block=block: FlashBwdPreprocess(jnp.bfloat16, d, d, stat_block=block),
+                     "sm_90a", (o, o, lse, lse), outs, compile_options=dump_options(dump))
+        assert "custom_call" in text
+        sass[block] = dumped_sass(dump)
+    stores = {b: (len(re.findall(r"\bSTG\.E\.128\b", t)), len(re.findall(r"\bSTG\.E\s", t)))
+              for b, t in sass.items()}
+    assert stores == {None: (8, 5), 64: (8, 5)}, stores
 
 
 @needs_cutlass

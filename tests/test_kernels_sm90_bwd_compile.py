@@ -455,6 +455,31 @@ def test_bwd_elect_release_in_table_at_hdim128(tmp_path, causal):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_stats_by_thread_knob(tmp_path, head_dim):
+    """BwdTiles.stats_by_thread (off; compiled, not yet run on the GPU): with the row
+    statistics in stat_position's order each thread loads its run with 128-bit LDS,
+    half the loads of the row order's pairs: at hdim 128 (causal, table: both
+    loaded before the first S^T wgmma) 4 + 4 LDS.128 instead of 8 + 8 LDS.64 there;
+    at hdim 64 (32 columns, loaded in the step) 16 instead of 32 in the kernel.
+    No spills or serialised wgmma (_knob_sass)."""
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles, stats_thread_block
+
+    assert [stats_thread_block(d, c) for d in (64, 128) for c in (False, True)] == [None] * 4
+    assert not bwd_tiles(head_dim, True).stats_by_thread
+
+    def loads(sass: str) -> tuple[int, int]:
+        if head_dim == 128:
+            head = sass.split("HGMMA", 1)[0]
+            sass = head.rsplit("SYNCS.PHASECHK.TRANS64.TRYWAIT", 1)[1]
+        return (len(re.findall(r"\bLDS\.64\b", sass)), len(re.findall(r"\bLDS\.128\b", sass)))
+
+    counts = _knob_counts(tmp_path, loads, head_dim, True, "stats_by_thread")
+    expect = {128: {False: (16, 0), True: (0, 8)}, 64: {False: (32, 0), True: (0, 16)}}
+    assert counts == expect[head_dim], counts
+
+
+@needs_cutlass
 def test_bwd_lpt_host_div_knob(tmp_path):
     """BwdTiles.lpt_host_div (off in the table: level on the H200, tenth session):
     the hdim 128 causal kernel (LPT order) then finds its coordinates

@@ -256,3 +256,40 @@ def test_deterministic_backward_lowers(d, causal):
         assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
     with pytest.raises(ValueError, match="deterministic"):
         _lower(grads("sm_90a"), *_structs(b, sq, 203, hq, 2, 256, jnp.bfloat16))
+
+
+def test_stats_by_thread_reaches_the_preprocess(monkeypatch):
+    """With BwdTiles.stats_by_thread in the table (patched here: off in the real one,
+    where every preprocess stays row-ordered and mask-free), the backward keys its
+    preprocess by mask and builds it with the main kernel's query tile as the
+    statistics block (bwd_preprocess.stat_position)."""
+    import dataclasses
+
+    from jax_fa4.config import AttentionConfig
+    from jax_fa4.kernels import bwd_preprocess, sm90_bwd
+    from jax_fa4.rules import kernels_cuda
+
+    assert all(kernels_cuda._stats_block(a, d, c) is None for a in ("sm_90a", "sm_100a")
+               for d in (64, 128, 256) for c in (False, True))
+    real_tiles = sm90_bwd.bwd_tiles
+    monkeypatch.setattr(sm90_bwd, "bwd_tiles", lambda d, c: dataclasses.replace(
+        real_tiles(d, c), stats_by_thread=True))
+    blocks = []
+    real_init = bwd_preprocess.FlashBwdPreprocess.__init__
+
+    def init(self, *args, stat_block=None, **kwargs):
+        blocks.append(stat_block)
+        real_init(self, *args, stat_block=stat_block, **kwargs)
+
+    monkeypatch.setattr(bwd_preprocess.FlashBwdPreprocess, "__init__", init)
+    # A scale of its own: no kernel cached by an earlier test under the same keys.
+    cfg = AttentionConfig(scale=0.1234, causal=True)
+
+    def grads(q, k, v):
+        out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
+        return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch="sm_90a")
+
+    assert kernels_cuda._stats_block("sm_90a", 128, True) == 64
+    text = _lower(grads, *_structs(2, 113, 203, 8, 2, 128, jnp.bfloat16))
+    assert text.count(CALL) == 4
+    assert blocks == [64]

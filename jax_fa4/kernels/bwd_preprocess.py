@@ -75,6 +75,39 @@ def bwd_workspace_shapes(
     }
 
 
+def stat_position(row, block: int):
+    """Where query row ``row``'s LSElog2 / Dpsum go in a workspace laid out for a
+    main kernel that reads them by thread (``BwdTiles.stats_by_thread``), for plain
+    ints, numpy arrays and DSL integers alike.
+
+    Within each aligned block of ``block`` rows (the main kernel's query tile, a
+    multiple of 8 that divides SEQLEN_Q_PAD), the wgmma accumulator gives lane quad
+    q the columns 8 j + 2 q + e (e = 0, 1); they go to q * block / 4 + 2 j + e, so
+    that each thread's block / 4 values are contiguous (128-bit loads) instead of
+    pairs 8 apart. Identity order: ``block`` None."""
+    if block is None:
+        return row
+    c = row % block
+    return row - c + (c % 8 // 2) * (block // 4) + c // 8 * 2 + c % 2
+
+
+def stat_order(seqlen_q_pad: int, block: int | None) -> np.ndarray:
+    """The row stored at each position of a Sq_pad-long statistics workspace laid
+    out by ``stat_position`` (host side: jnp references and tests permute with it)."""
+    rows = np.arange(seqlen_q_pad)
+    order = np.empty_like(rows)
+    order[stat_position(rows, block)] = rows
+    return order
+
+
+def check_stat_block(block: int | None) -> None:
+    """A by-thread statistics block must be a multiple of 8 dividing SEQLEN_Q_PAD, so
+    that every block of a workspace is whole and the order stays inside it."""
+    if block is not None and (block % 8 or SEQLEN_Q_PAD % block):
+        raise ValueError(f"statistics block {block} must be a multiple of 8 dividing "
+                         f"{SEQLEN_Q_PAD}")
+
+
 try:  # The kernel needs the CuTe DSL; the workspace helper above does not.
     import cuda.bindings.driver as cuda
     import cutlass
@@ -182,10 +215,12 @@ class FlashBwdPreprocess:
     """Dpsum = rowsum(dO * O) - dLSE, LSElog2 = LSE * log2(e), dQaccum = 0.
 
     Compile-time: dtype (bf16/fp16), head_dim_v (width of O/dO), head_dim
-    (width of dQaccum). Batch, seqlen and heads are dynamic.
+    (width of dQaccum), stat_block (None: LSElog2 / Dpsum in row order; else in
+    the by-thread order of ``stat_position`` for a main kernel with that query tile).
+    Batch, seqlen and heads are dynamic.
     """
 
-    def __init__(self, dtype, head_dim_v: int, head_dim: int):
+    def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:
@@ -193,6 +228,9 @@ class FlashBwdPreprocess:
         self.dtype = _cutlass_dtype(dtype)
         self.head_dim_v = head_dim_v
         self.head_dim = head_dim
+        check_stat_block(stat_block)
+        # LSElog2 / Dpsum in the main kernel's by-thread order (``stat_position``).
+        self.stat_block = stat_block
         self.tile_m, self.num_threads = preprocess_tiling(head_dim_v)
         assert SEQLEN_Q_PAD % self.tile_m == 0
         assert self.tile_m <= self.num_threads  # one thread per row moves LSE
@@ -307,7 +345,7 @@ class FlashBwdPreprocess:
                 # exp2(s - LSElog2) at 0 instead of NaN. Cannot happen with Sk >= 1
                 # and top-left causal masking, but costs nothing.
                 lse_log2 = lse * _LOG2_E if lse != -Float32.inf else Float32(0.0)
-            mLSElog2[row, head, batch] = lse_log2
+            mLSElog2[stat_position(row, self.stat_block), head, batch] = lse_log2
 
         # Row sums of dO * O in fp32: within a thread, then across the row's lanes.
         num_m = cute.size(tOgO, mode=[1])
@@ -326,7 +364,7 @@ class FlashBwdPreprocess:
                 val = dpsum[m]
                 if t0OcO[0, m, 0][0] < row_limit:
                     val = val - mdLSE[row, head, batch]
-                mDpsum[row, head, batch] = val
+                mDpsum[stat_position(row, self.stat_block), head, batch] = val
 
 
 __all__ = [
@@ -335,4 +373,6 @@ __all__ = [
     "FlashBwdPreprocess",
     "bwd_workspace_shapes",
     "preprocess_tiling",
+    "stat_order",
+    "stat_position",
 ]

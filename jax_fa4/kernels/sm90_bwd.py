@@ -185,6 +185,14 @@ class BwdTiles:
     # 3.8% of the walk's stall samples at hdim 128, 1k causal (eleventh session).
     # In the table at hdim 128.
     elect_release: bool = False
+    # LSElog2 and Dpsum come in the by-thread order of ``stat_position`` (the
+    # preprocess writes them so, ``stats_thread_block``): each thread's 16 (tile_m
+    # 64) or 32 (128) values are contiguous and load as 128-bit LDS, half the
+    # instructions of the pairs 8 floats apart of the row order. Nsight Compute put
+    # about 5% of the hdim 128 walk (1k causal) on those loads waiting in the MIO
+    # queue at the top of the step (eleventh session). tile_m 64 or 128 only.
+    # Off: compiled, not yet run on the GPU.
+    stats_by_thread: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -275,6 +283,26 @@ def lpt_divisors(num_n_blocks, q_blocks, num_kv_heads, batch, q_block_bytes: int
             divisor(num_kv_heads), section, full_sections)
 
 
+def _stats_to_regs(dst, s_stat, thr_stat, tScS, stage) -> None:
+    """dst[c] = the row statistic (LSElog2 or Dpsum) of this thread's column c in
+    Q / dO stage ``stage``: one vectorised copy of the thread's contiguous run
+    (``thr_stat``, BwdTiles.stats_by_thread), else one load per column from the
+    row-order ``s_stat``. Called while tracing."""
+    if thr_stat is not None:
+        cute.autovec_copy(thr_stat[None, stage], dst)
+    else:
+        for c in range(cute.size(dst)):
+            dst[c] = s_stat[tScS[0, c][1], stage]
+
+
+def stats_thread_block(head_dim: int, causal: bool) -> int | None:
+    """The block of the by-thread LSElog2 / Dpsum order (``stat_position``) the sm90
+    backward reads for this configuration (what its preprocess must write), or
+    None for row order."""
+    t = bwd_tiles(head_dim, causal)
+    return t.tile_m if t.stats_by_thread else None
+
+
 def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
     """The tile_m of the flat dQaccum order the sm90 backward writes for this
     configuration (what its postprocess must read), or None for row-major."""
@@ -339,6 +367,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             raise ValueError("the persistent backward needs dq_flat, one K/V mbarrier "
                              "(split_kv off) and the non-deterministic mode")
         self.num_sms = sm_count() if t.persistent else 0
+        if t.stats_by_thread and self.tile_m not in (64, 128):
+            raise ValueError(f"stats_by_thread needs tile_m 64 or 128, got {self.tile_m}")
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -802,6 +832,16 @@ class FlashBwdSm90(Sm90BwdCommon):
         # 16 more live registers: at 20 columns (80-row tiles) and in the persistent
         # walk they spill, so there Dpsum loads as dpsum_early says.
         dpsum_top = self.tiles.dpsum_top and n_cols <= 16 and not self.persistent
+        by_thread = self.tiles.stats_by_thread
+        thr_lse = thr_dpsum = None
+        if const_expr(by_thread):
+            # Column 8 j + 2 q + e of the block sits at q * tm / 4 + 2 j + e
+            # (stat_position): this thread's n_cols values (columns 2 q + ...) are
+            # the q-th contiguous run of n_cols, one (n_cols, stages) view each.
+            assert n_cols == tm // 4
+            quad = tScS[0, 0][1] // 2
+            thr_lse, thr_dpsum = [cute.local_tile(t, (n_cols, t.shape[1]), (quad, 0))
+                                  for t in (sLSE, sDpsum)]
         # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block; with
         # dq_swap transposed (st.matrix .trans), into the keys-contiguous dS.
         stsm = cute.make_copy_atom(
@@ -866,12 +906,10 @@ class FlashBwdSm90(Sm90BwdCommon):
             # 16 as well spilled (with dV issued before dS^T).
             lse = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
             if const_expr(hoist_lse and self.tiles.lse_early):
-                for c in cutlass.range_constexpr(n_cols):
-                    lse[c] = sLSE[tScS[0, c][1], stage]
+                _stats_to_regs(lse, sLSE, thr_lse, tScS, stage)
             dpsum = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
             if const_expr(dpsum_top):
-                for c in cutlass.range_constexpr(n_cols):
-                    dpsum[c] = sDpsum[tScS[0, c][1], stage]
+                _stats_to_regs(dpsum, sDpsum, thr_dpsum, tScS, stage)
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
             wgmma_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
             if const_expr(self.split_kv):
@@ -880,8 +918,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tn, tm)), Float32)
             wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
             if const_expr(hoist_lse and not self.tiles.lse_early):
-                for c in cutlass.range_constexpr(n_cols):
-                    lse[c] = sLSE[tScS[0, c][1], stage]
+                _stats_to_regs(lse, sLSE, thr_lse, tScS, stage)
             warpgroup.wait_group(1)  # S^T done
 
             # Keys past seqlen_k and (causal) keys after the query: S = -inf. Only
@@ -901,16 +938,17 @@ class FlashBwdSm90(Sm90BwdCommon):
                     for r in cutlass.range_constexpr(n_rows):
                         S[r, c] = S[r, c] if tScS[r, c][0] < limit else -Float32.inf
             # P^T = exp2(S^T * scale * log2 e - LSElog2[query]).
+            if const_expr(not hoist_lse and by_thread):
+                _stats_to_regs(lse, sLSE, thr_lse, tScS, stage)
             for c in cutlass.range_constexpr(n_cols):
-                if const_expr(not hoist_lse):
+                if const_expr(not hoist_lse and not by_thread):
                     lse[c] = sLSE[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
             if const_expr(not self.tiles.pin_dp_wait):
                 convert_to_operand_a(acc_S, tdVrP, self.dtype)
             if const_expr(self.tiles.dpsum_early and not dpsum_top):
-                for c in cutlass.range_constexpr(n_cols):
-                    dpsum[c] = sDpsum[tScS[0, c][1], stage]
+                _stats_to_regs(dpsum, sDpsum, thr_dpsum, tScS, stage)
             if const_expr(self.tiles.pin_dp_wait):
                 # Never taken (P = exp2(.) >= 0): a block boundary that keeps the
                 # dP^T wait below the exp2s (BwdTiles.pin_dp_wait).
@@ -926,8 +964,11 @@ class FlashBwdSm90(Sm90BwdCommon):
                 warpgroup.wait_group(0)  # dP^T done
 
             dP = acc_mn_view(acc_dP)
+            dpsum_late = not (self.tiles.dpsum_early or dpsum_top)
+            if const_expr(dpsum_late and by_thread):
+                _stats_to_regs(dpsum, sDpsum, thr_dpsum, tScS, stage)
             for c in cutlass.range_constexpr(n_cols):
-                if const_expr(not (self.tiles.dpsum_early or dpsum_top)):
+                if const_expr(dpsum_late and not by_thread):
                     dpsum[c] = sDpsum[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
                     dP[r, c] = S[r, c] * (dP[r, c] - dpsum[c])

@@ -95,10 +95,24 @@ def _cutlass_dtype(name: str):
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
+def _stats_block(arch: str, head_dim: int, causal: bool) -> int | None:
+    """The block of the by-thread LSElog2 / Dpsum order the backward main kernel
+    reads (``stat_position``), or None where it reads them in row order."""
+    if arch != "sm_90a" or head_dim not in (64, 128):
+        return None
+    from jax_fa4.kernels.sm90_bwd import stats_thread_block
+
+    return stats_thread_block(head_dim, causal)
+
+
 def _pre_kernel(key: KernelKey):
     from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess
 
-    return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim)
+    block = None
+    if key.kind == "bwd_pre_by_thread":
+        block = _stats_block(key.arch, key.head_dim, key.causal)
+    return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim,
+                              stat_block=block)
 
 
 def _bwd_kernel(key: KernelKey):
@@ -157,8 +171,13 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     ws_structs = tuple(
         jax.ShapeDtypeStruct(ws[name][0], ws[name][1]) for name in ("Dpsum", "LSElog2", "dQaccum")
     )
-    # Arch-neutral pre/post kernels: key them without the mask and scale they ignore.
-    pre_key = _key("bwd_pre", arch, q, v, AttentionConfig(scale=1.0, causal=False))
+    # Arch-neutral pre/post kernels: key them without the mask and scale they ignore,
+    # unless the main kernel's tiles for this mask want the statistics by thread.
+    if _stats_block(arch, d, config.causal) is None:
+        pre_key = _key("bwd_pre", arch, q, v, AttentionConfig(scale=1.0, causal=False))
+    else:
+        pre_key = _key("bwd_pre_by_thread", arch, q, v,
+                       AttentionConfig(scale=1.0, causal=config.causal))
     dpsum, lse_log2, dq_accum = kernel_call(
         pre_key,
         functools.partial(_pre_kernel, pre_key),
