@@ -129,7 +129,8 @@ def attention(
       query: ``[B, Sq, Hq, D]`` (or unbatched ``[Sq, Hq, D]``).
       key: ``[B, Sk, Hkv, D]``; Hq must be a multiple of Hkv (GQA / MQA).
       value: ``[B, Sk, Hkv, Dv]``.
-      scale: softmax scale, default ``1 / sqrt(D)``.
+      scale: softmax scale, default ``1 / sqrt(D)``; any finite non-zero float (the
+        kernels run a negative one as ``-q`` with ``|scale|``).
       causal: top-left causal mask: query i sees key j iff j <= i (as
         ``jax.nn.dot_product_attention(is_causal=True)``).
       return_lse: also return the log-sum-exp of the scaled logits.

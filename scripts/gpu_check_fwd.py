@@ -212,7 +212,9 @@ def main() -> int:
         "nopers / nolpt (those off), oq (persistent O in the Q buffer), prune / noprune "
         "(non-causal: the diagonal loop left out / traced), merge / nomerge (causal: one loop, "
         "masking by a run-time test), elect / noelect (stages released by an elect.sync lane "
-        "or the pipeline's lane test), joined with +",
+        "or the pipeline's lane test), rsa / norsa (O rescaled in every step / behind the lazy "
+        "rescale's branch), pin / nopin (P V wait kept below the exp2s or not), ssc / nossc "
+        "(the softmax's short max chain or the reduction's), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -263,7 +265,9 @@ def main() -> int:
              "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False),
              "merge": ("merge_diagonal_loop", True), "pin": ("pin_pv_wait", True),
              "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False),
-             "elect": ("elect_release", True), "noelect": ("elect_release", False)}
+             "elect": ("elect_release", True), "noelect": ("elect_release", False),
+             "rsa": ("rescale_always", True), "norsa": ("rescale_always", False),
+             "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False)}
 
     def tile_variant(spec):
         over = {}

@@ -266,3 +266,37 @@ def test_forward_tile_order_knobs(knob, shape, d):
     lo = _ref(q, k, v, causal, dtype)
     assert_close_2x(out, hi[0], lo[0], atol=1e-3, name="out")
     assert_close_2x(lse, hi[1], lo[1], atol=1e-3, name="lse")
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_negative_scale(d, causal):
+    """A negative softmax scale (the kernels run it as -q with |scale|): forward and
+    gradients against the f32 reference with that scale. The scores are large
+    (inputs x 4, scale -1): taken as a max of raw q.k with -inf masking, the
+    exponents would overflow and the masked entries turn to inf."""
+    b, sq, sk, hq, hkv = 2, 203, 113, 4, 2
+    q, k, v = rand_qkv(d + 3, b, sq, sk, hq, hkv, d, dtype=jnp.bfloat16)
+    q, k = (q * 4).astype(jnp.bfloat16), (k * 4).astype(jnp.bfloat16)
+    scale = -1.0
+    dout, dlse = _cotangents(d, b, sq, hq, d)
+
+    def vjp_of(f):
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        return (out, lse), pullback((dout.astype(out.dtype), dlse))
+
+    def ref(dtype):
+        return vjp_of(lambda q, k, v: reference.attention_dense(
+            q.astype(dtype), k.astype(dtype), v.astype(dtype), scale=scale, causal=causal,
+            compute_dtype=dtype))
+
+    fn = jax.jit(lambda: vjp_of(lambda q, k, v: jax_fa4.attention(
+        q, k, v, scale=scale, causal=causal, return_lse=True, implementation="cute")))
+    with poison_outputs():
+        assert fn.lower().as_text().count(CALL) == 4
+        (out, lse), grads = fn()
+    (hi_out, hi_lse), hi = ref(jnp.float32)
+    (lo_out, lo_lse), lo = ref(jnp.bfloat16)
+    assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
+    assert_close_2x(lse, hi_lse, lo_lse, atol=1e-3, name="lse")
+    for name, g, h, lw in zip(("dq", "dk", "dv"), grads, hi, lo):
+        assert_close_2x(g, h, lw, atol=2e-3, name=name)

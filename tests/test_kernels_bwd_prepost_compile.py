@@ -57,23 +57,30 @@ def test_preprocess_compiles(arch, dtype, head_dim):
 
 
 @pytest.mark.parametrize("block", [64, 128])
-def test_stat_order_gives_each_thread_a_contiguous_run(block):
+def test_stat_order_gives_each_thread_conflict_free_chunks(block):
     """stat_position (BwdTiles.stats_by_thread): a permutation inside every block of
     a workspace, under which the columns 8 j + 2 q + e that the sm90 wgmma
-    accumulator gives lane quad q land at q * block / 4 + (0 .. block / 4 - 1),
-    in the thread's register order (e fastest, then j)."""
+    accumulator gives lane quad q, taken in the thread's register order (e fastest,
+    then j), come in chunks of 4 contiguous floats (one 128-bit load each), and
+    chunk k of the four quads together fills positions 16 k .. 16 k + 15 of the
+    block (64 contiguous bytes: no two quads on the same banks)."""
     sqp = 2 * 128
     order = stat_order(sqp, block)
     assert sorted(order) == list(range(sqp))
     assert all(r // block == p // block for p, r in enumerate(order))  # stays in its block
     assert stat_position(np.arange(sqp), None).tolist() == list(range(sqp))
     for base in (0, block):
-        for q in range(4):
-            cols = [base + 8 * j + 2 * q + e for j in range(block // 8) for e in (0, 1)]
-            run = base + q * block // 4
-            assert [stat_position(c, block) for c in cols] == list(range(run, run + block // 4))
-    with pytest.raises(ValueError, match="statistics block"):
-        FlashBwdPreprocess(jnp.bfloat16, 128, 128, stat_block=80)
+        for k in range(block // 16):
+            chunks = []
+            for q in range(4):
+                cols = [base + 8 * j + 2 * q + e for j in range(block // 8) for e in (0, 1)]
+                pos = [stat_position(c, block) for c in cols[4 * k: 4 * k + 4]]
+                assert pos == list(range(pos[0], pos[0] + 4)) and pos[0] % 4 == 0, pos
+                chunks += pos
+            assert sorted(chunks) == list(range(base + 16 * k, base + 16 * k + 16))
+    for bad in (80, 8):  # not dividing SEQLEN_Q_PAD / dividing it but not a multiple of 16
+        with pytest.raises(ValueError, match="statistics block"):
+            FlashBwdPreprocess(jnp.bfloat16, 128, 128, stat_block=bad)
 
 
 @needs_cutlass

@@ -357,3 +357,62 @@ def test_fwd_elect_release_knob(tmp_path):
     assert not fwd_tiles(128, 128, False).elect_release
     assert lane_tests(False) > 0
     assert lane_tests(True) == 0
+
+
+def _fwd_step(tmp_path, name: str, causal: bool = False, **knobs) -> tuple[str, list[str]]:
+    """(whole SASS, instructions of the last overlapped step: from its S-ready wait
+    on) of the hdim 128 forward with Sm90FwdTiles knobs over the table's; no
+    spills."""
+    import dataclasses
+    import re
+
+    tiles = dataclasses.replace(fwd_tiles(128, 128, causal), **knobs)
+    dump = tmp_path / name
+    lower_fwd_sm90(jnp.bfloat16, 128, causal, tiles=tiles, compile_options=dump_options(dump))
+    sass = dumped_sass(dump)
+    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+    ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+    start = max(i for i, x in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in x)
+    return sass, ins[start:]
+
+
+def test_fwd_rescale_always_knob(tmp_path):
+    """Sm90FwdTiles.rescale_always (off: 0.954-0.969x at hdim 128, 4k / 16k, on the
+    H200, twelfth session): O is multiplied by the row scales in every step, so the
+    step loses the lazy rescale's branch (one BSSY fewer in the kernel) and P's
+    16-bit conversions interleave with the exp2s (the first F2FP comes before the
+    step's last MUFU instead of after all of them)."""
+    assert not any(fwd_tiles(d, d, c).rescale_always for d in (64, 128, 256)
+                   for c in (False, True))
+    shapes = {}
+    for on in (False, True):
+        sass, step = _fwd_step(tmp_path, f"rsa_{on}", rescale_always=on)
+        mufu = [i for i, x in enumerate(step) if x.startswith("MUFU.EX2")]
+        f2fp = [i for i, x in enumerate(step) if x.startswith("F2FP")]
+        shapes[on] = (sass.count("BSSY"), f2fp[0] < mufu[-1])
+    assert shapes[True] == (shapes[False][0] - 1, True) and not shapes[False][1], shapes
+
+
+def test_fwd_short_softmax_chain_knob(tmp_path):
+    """Sm90FwdTiles.short_softmax_chain (off; compiled, not yet timed): the row max
+    uses plain FMNMX (no FMNMX.NAN, no FSETP.NAN selects in the quad shuffles),
+    and from the step's last max shuffle to its first FFMA fewer than half the
+    instructions stand (Note [Short max chain]); both masks, no spills."""
+    from jax_fa4.kernels.softmax import OnlineSoftmax
+
+    assert not any(fwd_tiles(d, d, c).short_softmax_chain for d in (64, 128, 256)
+                   for c in (False, True))
+    with pytest.raises(ValueError, match="positive scale"):
+        OnlineSoftmax(-0.1, 2, short_chain=True)
+    for causal in (False, True):
+        got = {}
+        for on in (False, True):
+            sass, step = _fwd_step(tmp_path, f"ssc_{causal}_{on}", causal,
+                                   short_softmax_chain=on)
+            last_shfl = max(i for i, x in enumerate(step[:200]) if x.startswith("SHFL.BFLY"))
+            first_ffma = next(i for i, x in enumerate(step)
+                              if i > last_shfl and x.startswith("FFMA"))
+            got[on] = (sass.count("FMNMX.NAN") > 0, sass.count("FSETP.NAN") > 0,
+                       first_ffma - last_shfl)
+        assert got[False][:2] == (True, True) and got[True][:2] == (False, False), got
+        assert 2 * got[True][2] < got[False][2], got

@@ -259,37 +259,73 @@ def test_deterministic_backward_lowers(d, causal):
 
 
 def test_stats_by_thread_reaches_the_preprocess(monkeypatch):
-    """With BwdTiles.stats_by_thread in the table (patched here: off in the real one,
-    where every preprocess stays row-ordered and mask-free), the backward keys its
-    preprocess by mask and builds it with the main kernel's query tile as the
-    statistics block (bwd_preprocess.stat_position)."""
-    import dataclasses
-
+    """BwdTiles.stats_by_thread is in the table at hdim 128 (sm_90a, both masks):
+    there the backward keys its preprocess by mask ("bwd_pre_by_thread") and the
+    kernel built for that key has the main kernel's query tile as its statistics
+    block (bwd_preprocess.stat_position); everywhere else the preprocess stays
+    row-ordered, keyed without the mask."""
     from jax_fa4.config import AttentionConfig
-    from jax_fa4.kernels import bwd_preprocess, sm90_bwd
     from jax_fa4.rules import kernels_cuda
 
-    assert all(kernels_cuda._stats_block(a, d, c) is None for a in ("sm_90a", "sm_100a")
-               for d in (64, 128, 256) for c in (False, True))
-    real_tiles = sm90_bwd.bwd_tiles
-    monkeypatch.setattr(sm90_bwd, "bwd_tiles", lambda d, c: dataclasses.replace(
-        real_tiles(d, c), stats_by_thread=True))
-    blocks = []
-    real_init = bwd_preprocess.FlashBwdPreprocess.__init__
+    assert [kernels_cuda._stats_block(a, d, c) for a in ("sm_90a", "sm_100a")
+            for d in (64, 128, 256) for c in (False, True)] == [
+        None, None, 64, 64, None, None] + [None] * 6
+    keys = []
+    real_call = kernels_cuda.kernel_call
 
-    def init(self, *args, stat_block=None, **kwargs):
-        blocks.append(stat_block)
-        real_init(self, *args, stat_block=stat_block, **kwargs)
+    def call(key, *args, **kwargs):  # sees every key, compiled before or not
+        keys.append(key)
+        return real_call(key, *args, **kwargs)
 
-    monkeypatch.setattr(bwd_preprocess.FlashBwdPreprocess, "__init__", init)
-    # A scale of its own: no kernel cached by an earlier test under the same keys.
-    cfg = AttentionConfig(scale=0.1234, causal=True)
+    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
+    for causal, d, block in ((True, 128, 64), (False, 128, 64), (True, 64, None)):
+        cfg = AttentionConfig(scale=0.1234, causal=causal)
 
-    def grads(q, k, v):
-        out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
-        return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch="sm_90a")
+        def grads(q, k, v, cfg=cfg):
+            out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
+            return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg,
+                                         arch="sm_90a")
 
-    assert kernels_cuda._stats_block("sm_90a", 128, True) == 64
-    text = _lower(grads, *_structs(2, 113, 203, 8, 2, 128, jnp.bfloat16))
+        keys.clear()
+        text = _lower(grads, *_structs(2, 113, 203, 8, 2, d, jnp.bfloat16))
+        assert text.count(CALL) == 4
+        (pre,) = [k for k in keys if k.kind.startswith("bwd_pre")]
+        assert pre.kind == ("bwd_pre" if block is None else "bwd_pre_by_thread")
+        assert pre.causal == (causal and block is not None)
+        assert kernels_cuda._pre_kernel(pre).stat_block == block, (causal, d)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_negative_scale_runs_as_negated_q(monkeypatch, arch):
+    """The kernels take scale > 0 (masked scores are -inf raw scores; the row max
+    is of raw q.k). A negative scale lowers as -q with |scale|: every kernel key
+    has the positive scale, and the HLO negates q before the forward and backward
+    and dq after; a positive scale adds no negate."""
+    from jax_fa4.rules import kernels_cuda
+
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
+    scales = []
+    real_call = kernels_cuda.kernel_call
+
+    def call(key, *args, **kwargs):
+        scales.append((key.kind, key.scale))
+        return real_call(key, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
+
+    def loss(scale):
+        def f(q, k, v):
+            out = jax_fa4.attention(q, k, v, scale=scale, causal=True, implementation="cute")
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(f, argnums=(0, 1, 2))
+
+    structs = _structs(2, 113, 203, 4, 2, 64, jnp.bfloat16)
+    text = _lower(loss(-0.3), *structs)
     assert text.count(CALL) == 4
-    assert blocks == [64]
+    main = {kind: s for kind, s in scales if kind in ("fwd", "bwd", "bwd_post")}
+    assert main == {"fwd": 0.3, "bwd": 0.3, "bwd_post": 0.3}, scales
+    negates = text.count("stablehlo.negate")
+    scales.clear()
+    assert "stablehlo.negate" not in _lower(loss(0.3), *structs)
+    assert {kind: s for kind, s in scales if kind == "fwd"} == {"fwd": 0.3}
+    assert negates == 3, negates  # q before the forward, q before the backward, dq

@@ -81,14 +81,16 @@ def stat_position(row, block: int):
     ints, numpy arrays and DSL integers alike.
 
     Within each aligned block of ``block`` rows (the main kernel's query tile, a
-    multiple of 8 that divides SEQLEN_Q_PAD), the wgmma accumulator gives lane quad
-    q the columns 8 j + 2 q + e (e = 0, 1); they go to q * block / 4 + 2 j + e, so
-    that each thread's block / 4 values are contiguous (128-bit loads) instead of
-    pairs 8 apart. Identity order: ``block`` None."""
+    multiple of 16 that divides SEQLEN_Q_PAD), the wgmma accumulator gives lane quad
+    q the columns 8 j + 2 q + e (e = 0, 1). In the thread's register order
+    (r = 2 j + e) they form chunks of 4 (r // 4 = j // 2); chunk k of quad q goes to
+    16 k + 4 q, so each chunk is one 128-bit load and the four quads' chunks k are
+    64 contiguous bytes (no bank conflict; whole runs per quad, 64 or 128 bytes
+    apart, put 2 or 4 quads on the same banks). Identity order: ``block`` None."""
     if block is None:
         return row
     c = row % block
-    return row - c + (c % 8 // 2) * (block // 4) + c // 8 * 2 + c % 2
+    return row - c + c // 16 * 16 + (c % 8 // 2) * 4 + (c // 8 % 2) * 2 + c % 2
 
 
 def stat_order(seqlen_q_pad: int, block: int | None) -> np.ndarray:
@@ -101,10 +103,10 @@ def stat_order(seqlen_q_pad: int, block: int | None) -> np.ndarray:
 
 
 def check_stat_block(block: int | None) -> None:
-    """A by-thread statistics block must be a multiple of 8 dividing SEQLEN_Q_PAD, so
+    """A by-thread statistics block must be a multiple of 16 dividing SEQLEN_Q_PAD, so
     that every block of a workspace is whole and the order stays inside it."""
-    if block is not None and (block % 8 or SEQLEN_Q_PAD % block):
-        raise ValueError(f"statistics block {block} must be a multiple of 8 dividing "
+    if block is not None and (block % 16 or SEQLEN_Q_PAD % block):
+        raise ValueError(f"statistics block {block} must be a multiple of 16 dividing "
                          f"{SEQLEN_Q_PAD}")
 
 

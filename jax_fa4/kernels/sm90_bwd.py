@@ -187,16 +187,18 @@ class BwdTiles:
     elect_release: bool = False
     # LSElog2 and Dpsum come in the by-thread order of ``stat_position`` (the
     # preprocess writes them so, ``stats_thread_block``): each thread's 16 (tile_m
-    # 64) or 32 (128) values are contiguous and load as 128-bit LDS, half the
-    # instructions of the pairs 8 floats apart of the row order. Nsight Compute put
+    # 64) or 32 (128) values come in chunks of 4 that load as 128-bit LDS, half the
+    # instructions of the pairs 8 floats apart of the row order, and the four lane
+    # quads' chunks are adjacent (no bank conflicts). Nsight Compute put
     # about 5% of the hdim 128 walk (1k causal) on those loads waiting in the MIO
     # queue at the top of the step (eleventh session). tile_m 64 or 128 only.
-    # Off: compiled, not yet run on the GPU.
+    # In the table at hdim 128 (twelfth session).
     stats_by_thread: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
-# lse_early, dpsum_early, dv_done_before_dk, lpt, dpsum_top, elect_release).
+# lse_early, dpsum_early, dv_done_before_dk, lpt, dpsum_top, elect_release,
+# stats_by_thread).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
 # queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
@@ -212,12 +214,18 @@ class BwdTiles:
 # below level (tenth session); at hdim 64 it does not apply (32 columns).
 # elect_release: at hdim 128 (main kernel, alternating rounds, eleventh session)
 # causal 1.016x / 1.007x at 1k (9 / 15 rounds), 1.026x at 4k, 1.022x at 16k (9);
-# non-causal 1.000x / 1.002x at 1k, 1.000x at 4k, 0.997x at 16k; not timed at hdim 64.
+# non-causal 1.000x / 1.002x at 1k, 1.000x at 4k, 0.997x at 16k; at hdim 64 (8k,
+# twelfth session) 0.994x / 1.016x non-causal, 1.042x / 1.005x causal (9 rounds each).
+# stats_by_thread (twelfth session, conflict-free chunk order; 9 / 9 / 5 rounds at
+# 1k / 4k / 16k): at hdim 128 non-causal 1.014x / 1.013x / 1.028x, causal 1.006x /
+# 1.007x / 1.016x; at hdim 64 (8k) 1.008x non-causal, 0.970x causal: off there. The
+# first order (whole runs per quad, 2- or 4-way bank conflicts) measured 0.93-0.96x
+# at hdim 128 and 0.80-0.83x at hdim 64.
 _TILE_TABLE = {
-    (64, False): (128, True, False, True, False, False, False, False, False, False),
-    (64, True): (128, True, False, True, False, False, True, False, False, False),
-    (128, False): (64, True, False, True, True, True, False, False, True, True),
-    (128, True): (64, True, False, True, True, True, False, True, True, True),
+    (64, False): (128, True, False, True, False, False, False, False, False, True, False),
+    (64, True): (128, True, False, True, False, False, True, False, False, True, False),
+    (128, False): (64, True, False, True, True, True, False, False, True, True, True),
+    (128, True): (64, True, False, True, True, True, False, True, True, True, True),
 }
 
 
@@ -234,12 +242,12 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
     (tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk,
-     lpt, dpsum_top, elect_release) = _TILE_TABLE[(head_dim, bool(causal))]
+     lpt, dpsum_top, elect_release, stats_by_thread) = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early,
                     dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top,
-                    elect_release=elect_release)
+                    elect_release=elect_release, stats_by_thread=stats_by_thread)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
@@ -289,7 +297,7 @@ def _stats_to_regs(dst, s_stat, thr_stat, tScS, stage) -> None:
     (``thr_stat``, BwdTiles.stats_by_thread), else one load per column from the
     row-order ``s_stat``. Called while tracing."""
     if thr_stat is not None:
-        cute.autovec_copy(thr_stat[None, stage], dst)
+        cute.autovec_copy(thr_stat[None, None, stage], dst)
     else:
         for c in range(cute.size(dst)):
             dst[c] = s_stat[tScS[0, c][1], stage]
@@ -835,12 +843,16 @@ class FlashBwdSm90(Sm90BwdCommon):
         by_thread = self.tiles.stats_by_thread
         thr_lse = thr_dpsum = None
         if const_expr(by_thread):
-            # Column 8 j + 2 q + e of the block sits at q * tm / 4 + 2 j + e
-            # (stat_position): this thread's n_cols values (columns 2 q + ...) are
-            # the q-th contiguous run of n_cols, one (n_cols, stages) view each.
-            assert n_cols == tm // 4
+            # Column 8 j + 2 q + e of the block sits at 16 (j // 2) + 4 q + 2 (j % 2)
+            # + e (stat_position): this thread's n_cols values, in register order,
+            # are n_cols / 4 chunks of 4, 16 floats apart, from 4 q. Block-major
+            # view ((4, quad, chunk), stage) of each (tm, stages) buffer, sliced at
+            # this quad: (4, chunk, stage).
+            assert n_cols == tm // 4 and tm % 16 == 0
             quad = tScS[0, 0][1] // 2
-            thr_lse, thr_dpsum = [cute.local_tile(t, (n_cols, t.shape[1]), (quad, 0))
+            by_quad = cute.make_layout(((4, 4, tm // 16), self.tiles.stages_qdo),
+                                       stride=((1, 4, 16), sLSE.layout.stride[1]))
+            thr_lse, thr_dpsum = [cute.make_tensor(t.iterator, by_quad)[(None, quad, None), None]
                                   for t in (sLSE, sDpsum)]
         # dS^T goes to SMEM with stmatrix: 4 instructions per 8x8x4 block; with
         # dq_swap transposed (st.matrix .trans), into the keys-contiguous dS.

@@ -149,6 +149,21 @@ class Sm90FwdTiles:
     # ptxas recomputes in the loop from an S2R of the thread index (the backward's
     # Nsight Compute profile put 3.8% of its walk on that read, eleventh session).
     elect_release: bool = False
+    # With intra-warpgroup overlap: multiply O by the row scales in every step,
+    # not behind the lazy rescale's "all scales 1" branch. The scale stays 1 while
+    # the max lags (Note [Lazy rescale]); what goes is the branch, whose block
+    # boundary kept ptxas from interleaving P's F2FP conversions with the exp2s:
+    # they ran as one block of 32 after it (8.1k "wait" samples against
+    # flash-attn-4's 0.9k in a 16k non-causal hdim 128 profile, twelfth session;
+    # flash-attn-4 rescales in every step, its FMULs between the MUFUs). Off: with
+    # it ptxas also hoists the P V wait to the third exp2, and it measured 0.961x /
+    # 0.969x (4k non-causal / causal, 7 rounds), 0.965x / 0.954x (16k, 5) at hdim
+    # 128, 1.004x / 0.971x at hdim 64; with pin_pv_wait 0.90-0.94x.
+    rescale_always: bool = False
+    # The softmax's short max chain (Note [Short max chain]): plain fmax chains
+    # with the old max folded in, and the keep test and reference offset
+    # precomputed a block ahead. Compiled; not yet timed.
+    short_softmax_chain: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -905,7 +920,8 @@ class FlashFwdSm90:
         )
         acc_O.fill(0.0)
 
-        softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]))
+        softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]),
+                                short_chain=self.tiles.short_softmax_chain)
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0))
 
@@ -1063,7 +1079,10 @@ class FlashFwdSm90:
         warpgroup.wait_group(0)  # P V done: tOrP and acc_O are free
         self._release(pipe_v, state_v)
         to_p(acc_S)
-        rescale_rows_if_needed(acc_O, row_scale)
+        if cutlass.const_expr(self.tiles.rescale_always):
+            rescale_rows(acc_O, row_scale)
+        else:
+            rescale_rows_if_needed(acc_O, row_scale)
         return state
 
     @cute.jit

@@ -30,6 +30,21 @@ factor of 256.
 
 A fully masked row keeps ``m = -inf``; the exponent then uses 0 as the
 reference so that ``exp2(-inf - 0) = 0`` instead of ``exp2(-inf + inf) = NaN``.
+
+Note [Short max chain]
+~~~~~~~~~~~~~~~~~~~~~~
+The path from the last score to the first exp2 is latency: each warpgroup's
+softmax starts it after its S wgmma. ``short_chain`` shortens it:
+* the row max uses fmax (FMNMX) in four independent chains, not the
+  NaN-propagating reduction (FMNMX.NAN, and an FSETP / FSETP / FSEL per quad
+  shuffle step), with the old max folded in before the shuffles;
+* the keep test compares the new max with ``ref + threshold / c`` and the
+  exponent offset ``-ref * c`` of the kept reference, both computed a block
+  ahead, so after the shuffles only the new max's own offset (an FSETP / FSEL /
+  FMUL) and one select stand before the first FFMA.
+It needs c > 0, which the kernels get (``rules.kernels_cuda`` runs a negative
+scale as -q with |scale|). Scores that are NaN no longer propagate into the max;
+they still make their own P NaN.
 """
 
 from __future__ import annotations
@@ -76,17 +91,33 @@ class OnlineSoftmax:
     """
 
     def __init__(
-        self, scale_log2: float, num_rows: int, rescale_threshold: float = RESCALE_THRESHOLD
+        self,
+        scale_log2: float,
+        num_rows: int,
+        rescale_threshold: float = RESCALE_THRESHOLD,
+        short_chain: bool = False,
     ):
+        if short_chain and not scale_log2 > 0:
+            raise ValueError(f"the short max chain needs a positive scale, got {scale_log2}")
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        # Note [Short max chain]: with short_chain, per row also the exponent
+        # offset of the reference max (-ref * c, 0 for -inf) and the largest block
+        # max that keeps it (ref + threshold / c), both computed a block ahead.
+        self.short_chain = short_chain
+        if short_chain:
+            self.neg_ref = cute.make_rmem_tensor(num_rows, Float32)
+            self.keep_limit = cute.make_rmem_tensor(num_rows, Float32)
 
     def reset(self) -> None:
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+        if cutlass.const_expr(self.short_chain):
+            self.neg_ref.fill(0.0)
+            self.keep_limit.fill(-Float32.inf)
 
     @cute.jit
     def online_softmax(
@@ -99,6 +130,8 @@ class OnlineSoftmax:
         sums are updated; the returned (num_rows,) tensor is the factor O must be
         multiplied by (exactly 1.0 for rows whose reference max did not move).
         """
+        if cutlass.const_expr(self.short_chain):
+            return self._online_softmax_short(acc_S, is_first)
         s_mn = acc_mn_view(acc_S)
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         c = self.scale_log2
@@ -130,6 +163,53 @@ class OnlineSoftmax:
             else:
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + blk_sum
             s_mn[r, None].store(p)
+        return row_scale
+
+    @cute.jit
+    def _online_softmax_short(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+        """``online_softmax`` with the short max chain (Note [Short max chain])."""
+        s_mn = acc_mn_view(acc_S)
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        c = self.scale_log2
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = s_mn[r, None]
+            n = cute.size(row)
+            # Four independent fmax chains over the thread's columns, the old max
+            # folded into the first, then across the quad.
+            chains = [row[i] for i in range(4)]
+            if cutlass.const_expr(not is_first):
+                chains[0] = cute.arch.fmax(chains[0], self.row_max[r])
+            for i in cutlass.range_constexpr(4, n):
+                chains[i % 4] = cute.arch.fmax(chains[i % 4], row[i])
+            cand = cute.arch.fmax(cute.arch.fmax(chains[0], chains[1]),
+                                  cute.arch.fmax(chains[2], chains[3]))
+            for offset in (2, 1):
+                cand = cute.arch.fmax(cand, cute.arch.shuffle_sync_bfly(cand, offset=offset))
+            cand_safe = Float32(0.0) if cand == -Float32.inf else cand
+            neg_cand = -cand_safe * c
+            if cutlass.const_expr(is_first):
+                ref = cand
+                neg_ref = neg_cand
+                row_scale[r] = Float32(1.0)
+            else:
+                old = self.row_max[r]
+                # cand >= old; -inf <= -inf keeps a row that saw only masked keys.
+                keep = cand <= self.keep_limit[r]
+                ref = old if keep else cand
+                neg_ref = self.neg_ref[r] if keep else neg_cand
+                # exp2((old - cand) c); 0 when old is -inf. Used only when it moves.
+                scale = cute.math.exp2(old * c + neg_cand, fastmath=True)
+                row_scale[r] = Float32(1.0) if keep else scale
+            p = cute.math.exp2(row.load() * c + neg_ref, fastmath=True)
+            self.row_max[r] = ref
+            self.neg_ref[r] = neg_ref
+            self.keep_limit[r] = ref + self.rescale_threshold / c
+            blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(is_first):
+                self.row_sum[r] = blk_sum
+            else:
+                self.row_sum[r] = self.row_sum[r] * row_scale[r] + blk_sum
+            row.store(p)
         return row_scale
 
     @cute.jit

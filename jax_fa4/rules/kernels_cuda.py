@@ -8,6 +8,7 @@ postprocess (dQ to 16-bit). Every tensor crosses the custom call in the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,8 +59,21 @@ def _fwd_takes_tile_counter(key: KernelKey) -> bool:
     return key.causal and fwd_tiles(key.head_dim, key.head_dim_v, key.causal).persistent
 
 
+def _positive_scale(q, config: AttentionConfig):
+    """(q, config) with a positive softmax scale, the same scaled scores.
+
+    The kernels take scale > 0: they mask with -inf raw scores and keep the row max
+    of the raw q.k, which is the max of the scaled scores only then. A negative
+    scale runs as -q with |scale| (negation is exact in 16 bits), one elementwise
+    pass over q, and over dq in the backward (``backward`` negates it back)."""
+    if config.scale > 0:
+        return q, config
+    return -q, dataclasses.replace(config, scale=-config.scale)
+
+
 def forward(q, k, v, *, config: AttentionConfig, arch: str):
     """(out [B,Sq,Hq,Dv], lse [B,Hq,Sq] f32) from the forward kernel."""
+    q, config = _positive_scale(q, config)
     b, sq, hq, _ = q.shape
     if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
         return (jax.numpy.zeros((b, sq, hq, v.shape[-1]), q.dtype),
@@ -161,6 +175,10 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
         err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
         if err is not None:
             raise ValueError(err)
+    if config.scale < 0:  # as forward: -q with |scale|; dL/dq is minus dL/d(-q)
+        dq, dk, dv = backward(-q, k, v, out, lse, dout, dlse, arch=arch,
+                              config=dataclasses.replace(config, scale=-config.scale))
+        return -dq, dk, dv
     from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
     b, sq, hq, d = q.shape
