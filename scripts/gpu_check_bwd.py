@@ -51,7 +51,9 @@ def make_tiles(d, causal, variant):
     tiles = bwd_tiles(d, causal)
     for knob in variant.split("+"):  # e.g. "m80+pwg"
         if knob[:1] == "m" and knob[1:].isdigit():  # m64 / m80 / m128: another query tile
-            tiles = dataclasses.replace(tiles, tile_m=int(knob[1:]))
+            # (by-thread statistics only with 64- or 128-row tiles)
+            tiles = dataclasses.replace(tiles, tile_m=int(knob[1:]), stats_by_thread=(
+                tiles.stats_by_thread and int(knob[1:]) in (64, 128)))
         elif knob[:1] == "s" and knob[1:].isdigit():  # s3: Q/dO pipeline stages
             tiles = dataclasses.replace(tiles, stages_qdo=int(knob[1:]))
         elif knob == "pwg":  # dQ handed off per warpgroup

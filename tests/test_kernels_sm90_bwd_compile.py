@@ -92,8 +92,11 @@ def test_bwd_tile_variants_compile(head_dim, tile_m, dq_per_wg, stages, flat):
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
+    # By-thread statistics need 64- or 128-row tiles.
     tiles = dataclasses.replace(bwd_tiles(head_dim, True), tile_m=tile_m, dq_per_wg=dq_per_wg,
-                                stages_qdo=stages, dq_flat=flat)
+                                stages_qdo=stages, dq_flat=flat,
+                                stats_by_thread=bwd_tiles(head_dim, True).stats_by_thread
+                                and tile_m in (64, 128))
     ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
     text = lower(lambda: FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, True,
                                       head_dim**-0.5, tiles=tiles),
@@ -145,7 +148,8 @@ def test_bwd_80_row_tiles_store_ds_keys_contiguous(tmp_path):
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
-    tiles = dataclasses.replace(bwd_tiles(128, False), tile_m=80, dq_flat=True)
+    tiles = dataclasses.replace(bwd_tiles(128, False), tile_m=80, dq_flat=True,
+                                stats_by_thread=False)
     ins, outs, aliases = bwd_structs(2, 113, 203, 4, 1, 128, jnp.bfloat16)
     lower(lambda: FlashBwdSm90(cutlass.BFloat16, 128, 128, False, 128**-0.5, tiles=tiles),
           "sm_90a", ins, outs, aliases, compile_options=dump_options(tmp_path))
@@ -297,14 +301,14 @@ def test_bwd_dv_done_before_dk_knob(tmp_path, head_dim):
 def test_bwd_pin_dp_wait_knob(tmp_path):
     """BwdTiles.pin_dp_wait (off in the table: level to 0.965x on the H200, ninth
     session): at hdim 128 all 32 exp2s of P^T sit between the wait for S^T and the
-    wait for dP^T, which ptxas otherwise hoists to right after the S^T wait; no
-    spills, no serialised wgmma."""
+    wait for dP^T, which ptxas otherwise hoists to right after the S^T wait (at
+    most one exp2 before it); no spills, no serialised wgmma."""
     from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
     assert not any(bwd_tiles(d, c).pin_dp_wait for d in (64, 128) for c in (False, True))
     between = _knob_counts(tmp_path, lambda sass: max(exp2s_between_waits(sass)), 128, False,
                            "pin_dp_wait")
-    assert between == {False: 0, True: 32}, between
+    assert between[True] == 32 and between[False] <= 1, between
 
 
 @needs_cutlass
@@ -417,8 +421,10 @@ def test_bwd_lpt_host_divisors_give_the_same_order(num_n, kv_heads, batch, q_blo
 def test_bwd_dpsum_top_in_table_at_hdim128(tmp_path, causal):
     """BwdTiles.dpsum_top (the table's at hdim 128, +1-5% on the H200, tenth
     session): the walk loads Dpsum's 16 columns with LSElog2's right after the Q /
-    dO wait, so 16 LDS.64 precede the first S^T wgmma instead of 8; no spills or
-    serialised wgmma (_knob_sass). At hdim 64 (32 columns) it is off."""
+    dO wait, so 32 floats of shared-memory loads precede the first S^T wgmma
+    instead of 16 (with the table's stats_by_thread as LDS.128, in row order as
+    LDS.64); no spills or serialised wgmma (_knob_sass). At hdim 64 (32 columns) it
+    is off."""
     from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
     assert [bwd_tiles(d, c).dpsum_top for d in (64, 128) for c in (False, True)] == [
@@ -427,10 +433,11 @@ def test_bwd_dpsum_top_in_table_at_hdim128(tmp_path, causal):
     def loads_before_first_gemm(sass: str) -> int:
         head = sass.split("HGMMA", 1)[0]
         after_wait = head.rsplit("SYNCS.PHASECHK.TRANS64.TRYWAIT", 1)[1]
-        return len(re.findall(r"\bLDS\.64\b", after_wait))
+        return (2 * len(re.findall(r"\bLDS\.64\b", after_wait))
+                + 4 * len(re.findall(r"\bLDS\.128\b", after_wait)))
 
     counts = _knob_counts(tmp_path, loads_before_first_gemm, 128, causal, "dpsum_top")
-    assert counts == {False: 8, True: 16}, counts
+    assert counts == {False: 16, True: 32}, counts
 
 
 @needs_cutlass
