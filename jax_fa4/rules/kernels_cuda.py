@@ -176,8 +176,8 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
         if err is not None:
             raise ValueError(err)
     if config.scale < 0:  # as forward: -q with |scale|; dL/dq is minus dL/d(-q)
-        dq, dk, dv = backward(-q, k, v, out, lse, dout, dlse, arch=arch,
-                              config=dataclasses.replace(config, scale=-config.scale))
+        neg_q, config = _positive_scale(q, config)
+        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, dlse, config=config, arch=arch)
         return -dq, dk, dv
     from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
