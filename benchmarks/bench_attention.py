@@ -458,11 +458,14 @@ def _print_table(rows):
     key = lambda r: (r["hdim"], r["seqlen"], r["causal"])  # noqa: E731
     cases = sorted({key(r) for r in rows})
     by = {(key(r), r["impl"]): r for r in rows}
-    print("\nTFLOP/s fwd / bwd, jax_fa4's ratio to each peer, and MiB of the fwd+bwd step")
+    print("\nTFLOP/s fwd / bwd, jax_fa4's ratio to each peer, MiB of the fwd+bwd step, and")
+    print("each timing's range over the rounds in % of its median (with --rounds; a ratio")
+    print("closer to 1 than its two ranges is not a difference)")
     print("(temp / total: XLA temp buffers / arguments + outputs + temp; "
           "peak: torch peak above the inputs)")
     print(f"{'hdim':>4} {'seq':>6} {'causal':>6} | {'impl':>9} {'fwd':>7} {'bwd':>7} | "
-          f"{'fwd x':>6} {'bwd x':>6} | {'temp':>7} {'total':>7} {'peak':>7}")
+          f"{'fwd x':>6} {'bwd x':>6} | {'temp':>7} {'total':>7} {'peak':>7} | "
+          f"{'rng f%':>6} {'rng b%':>6}")
     for c in cases:
         ours = by.get((c, "jax_fa4"))
         for impl in ("jax_fa4", "fa4_torch", "cudnn", "xla"):
@@ -471,11 +474,13 @@ def _print_table(rows):
                 continue
             rf = rb = ""
             if ours is not None and impl != "jax_fa4":
-                rf = f"{ours['fwd_tflops'] / r['fwd_tflops']:.2f}"
-                rb = f"{ours['bwd_tflops'] / r['bwd_tflops']:.2f}"
+                rf = f"{ours['fwd_tflops'] / r['fwd_tflops']:.3f}"
+                rb = f"{ours['bwd_tflops'] / r['bwd_tflops']:.3f}"
             mem = " ".join(f"{_mib(r.get(m)):>7}" for m in MEM_COLUMNS)
+            rng = " ".join("-".rjust(6) if r.get(k) is None else f"{100 * r[k]:6.1f}"
+                           for k in ("fwd_range", "bwd_range"))
             print(f"{c[0]:>4} {c[1]:>6} {str(c[2]):>6} | {impl:>9} {r['fwd_tflops']:7.1f} "
-                  f"{r['bwd_tflops']:7.1f} | {rf:>6} {rb:>6} | {mem}")
+                  f"{r['bwd_tflops']:7.1f} | {rf:>6} {rb:>6} | {mem} | {rng}")
 
 
 def _plot(rows, path):

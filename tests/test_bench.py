@@ -99,3 +99,21 @@ def test_measure_subtracts_the_forward_for_diff_timing(monkeypatch):
     assert ba.measure(diff, iters=1)[:2] == (0.5, 1.5)
     direct = ba.Prepared(fwd=lambda: "fwd", bwd=lambda: "step", sync=lambda _: None, mem={})
     assert ba.measure(direct, iters=1)[:2] == (0.5, 2.0)
+
+
+def test_table_prints_three_decimal_ratios_and_ranges(capsys):
+    """The table gives jax_fa4's ratio to each peer to 3 decimals and each timing's
+    range over the rounds in %, "-" where a run had no rounds."""
+    def row(impl, tf, tb, rf, rb):
+        return dict(impl=impl, hdim=128, seqlen=4096, causal=False, fwd_tflops=tf,
+                    bwd_tflops=tb, temp_mib=None, total_mib=None, peak_mib=None,
+                    fwd_range=rf, bwd_range=rb)
+
+    ba._print_table([row("jax_fa4", 621.0, 567.0, 0.018, 0.039),
+                     row("fa4_torch", 625.0, 570.0, None, None)])
+    lines = capsys.readouterr().out.splitlines()
+    ours = next(x.split() for x in lines if x.split()[4:5] == ["jax_fa4"])
+    peer = next(x.split() for x in lines if x.split()[4:5] == ["fa4_torch"])
+    assert ours[-2:] == ["1.8", "3.9"], ours
+    assert peer[-2:] == ["-", "-"], peer
+    assert f"{621 / 625:.3f}" in peer and f"{567 / 570:.3f}" in peer, peer
