@@ -214,7 +214,8 @@ def main() -> int:
         "masking by a run-time test), elect / noelect (stages released by an elect.sync lane "
         "or the pipeline's lane test), rsa / norsa (O rescaled in every step / behind the lazy "
         "rescale's branch), pin / nopin (P V wait kept below the exp2s or not), ssc / nossc "
-        "(the softmax's short max chain or the reduction's), joined with +",
+        "(the softmax's short max chain or the reduction's), sw<K> (K of every 32 exp2s of P in "
+        "software), joined with +",
     )
     ap.add_argument(
         "--wg2",
@@ -274,6 +275,8 @@ def main() -> int:
         for knob in spec.split("+"):
             if knob.startswith("n") and knob[1:].isdigit():
                 over["tile_n"] = int(knob[1:])
+            elif knob.startswith("sw") and knob[2:].isdigit():
+                over["sw_exp2_per_32"] = int(knob[2:])
             elif knob.startswith("st"):
                 over["num_stages"] = int(knob[2:])
             elif knob in knobs:

@@ -83,3 +83,29 @@ def test_constants_are_float32_exact(exp2):
     # The device builds Float32 constants; the mirror must see the same values.
     for c in exp2.EXP2_POLY:
         assert float(np.float32(c)) == c
+
+
+def test_scalar_device_helper_sass(tmp_path):
+    """``exp2_poly`` (the scalar helper Hopper's forward uses) compiled alone for
+    sm_90a: no MUFU, one round-down add, the three Horner FFMAs, the flush select,
+    and every constant of the module in the SASS (so the PTX immediates are the
+    module's values). Its values are checked on the GPU against exp2_poly_numpy
+    (tests/test_gpu.py)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from exp2_launcher import exp2_poly_launcher
+    from kernel_compile import dump_options, dumped_sass, lower
+
+    n = 256
+    sd = jax.ShapeDtypeStruct((n,), jnp.float32)
+    hlo = lower(lambda: exp2_poly_launcher(n), "sm_90a", [sd], [sd],
+                compile_options=dump_options(tmp_path))
+    assert "CuteDSLRT_NvJaxCutlassCall" in hlo
+    sass = dumped_sass(tmp_path)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\d\s+)?([A-Z0-9_.]+)", sass)
+    assert "MUFU.EX2" not in ops, ops
+    assert ops.count("FADD.RM") == 1 and ops.count("FFMA") == 3, ops
+    for c in (12582912, -127, 0.227564394474029541015625):
+        assert str(c) in sass, c

@@ -205,6 +205,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     # hdim 256: persistent CTAs with O in the Q buffer (no SMEM for a separate one).
     "persistent_o_in_q": (False, {"persistent": True, "separate_o": False}),
     "dynamic_o_in_q": (True, {"persistent": True, "separate_o": False}),
+    # FA4's software exp2 for a quarter of P's elements (Note [Software exp2]).
+    "sw_exp2": (False, {"sw_exp2_per_32": 8}),
+    "sw_exp2_causal": (True, {"sw_exp2_per_32": 8}),
 }
 
 
@@ -219,6 +222,8 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("dynamic_lpt", (3, 3000, 3000, 8, 2), 128), ("dynamic_lpt", (2, 4000, 4000, 6, 2), 64),
     ("persistent_o_in_q", (2, 3000, 2999, 8, 2), 256), ("persistent_o_in_q", (1, 1, 1, 1, 1), 256),
     ("dynamic_o_in_q", (2, 3000, 3000, 8, 2), 256), ("dynamic_o_in_q", (1, 130, 200, 3, 1), 256),
+    ("sw_exp2", (2, 1000, 999, 8, 2), 128), ("sw_exp2", (2, 113, 203, 4, 4), 64),
+    ("sw_exp2_causal", (2, 2000, 2000, 8, 2), 128), ("sw_exp2_causal", (1, 300, 200, 2, 1), 256),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -231,7 +236,8 @@ def test_forward_tile_order_knobs(knob, shape, d):
     persistent CTAs taking tiles from a zeroed global counter, per-head or LPT
     order): 576 and 504 tiles over 132 CTAs, GQA, Sq != Sk, one tile. *_o_in_q
     (hdim 256, not yet run): persistent CTAs whose O leaves through the Q buffer,
-    384 tiles, so the next tile's Q must wait for the O store."""
+    384 tiles, so the next tile's Q must wait for the O store. sw_exp2: every
+    fourth exp2 of P from the polynomial, both masks, hdim 64 / 128 / 256."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90
@@ -242,7 +248,8 @@ def test_forward_tile_order_knobs(knob, shape, d):
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **over)
     kernel = make_fwd_sm90(dtype, d, d, causal, tiles=tiles)
     dynamic = isinstance(kernel, FlashFwdSm90Dynamic)
-    assert dynamic == knob.startswith("dynamic")
+    if "persistent" in over:  # the other knobs keep the table's tile order
+        assert dynamic == knob.startswith("dynamic")
     spec = TensorSpec(divisibility=(1, 1, 1, d))
     lse_spec = TensorSpec(divisibility=(1, 1, 1))
     one = TensorSpec(divisibility=(1,))
@@ -300,3 +307,40 @@ def test_negative_scale(d, causal):
     assert_close_2x(lse, hi_lse, lo_lse, atol=1e-3, name="lse")
     for name, g, h, lw in zip(("dq", "dk", "dv"), grads, hi, lo):
         assert_close_2x(g, h, lw, atol=2e-3, name=name)
+
+
+def test_exp2_poly_matches_host_mirror():
+    """The scalar software exp2 (``exp2_poly``, Note [Software exp2]) on the GPU
+    against its numpy mirror: inputs over the softmax's whole domain (-inf, the
+    flush edge, -126..8, integers and values just below them); the results must
+    agree to one float32 ulp (the mirror's documented fma double rounding) and
+    lie within 1.2e-4 relative of exact 2^x."""
+    import numpy as np
+    from cutlass.jax import TensorSpec, cutlass_call
+    from exp2_launcher import exp2_poly_launcher
+
+    from jax_fa4.kernels.exp2 import exp2_poly_numpy
+
+    n = 1 << 16
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-126.0, 8.0, n).astype(np.float32)
+    edge = np.array([-np.inf, -200.0, -127.0, -126.5, -126.0, -125.99, -1e-30, 0.0, 1e-30,
+                     0.5, 1.0, 7.999], np.float32)
+    ints = np.arange(-126, 8, dtype=np.float32)
+    x[: edge.size] = edge
+    x[edge.size: edge.size + ints.size] = ints
+    x[edge.size + ints.size: edge.size + 2 * ints.size] = np.nextafter(ints, np.float32(-1e9))
+
+    spec = TensorSpec(divisibility=(1,))
+    call = jax.jit(cutlass_call(
+        exp2_poly_launcher(n), output_shape_dtype=jax.ShapeDtypeStruct((n,), jnp.float32),
+        input_spec=[spec], output_spec=[spec]))
+    got = np.asarray(call(jnp.asarray(x)))
+    want = exp2_poly_numpy(x)
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1, (x[ulps.argmax()], got[ulps.argmax()], want[ulps.argmax()])
+    assert got[0] == 0.0 and got[1] == 0.0  # -inf and below the clamp flush to 0
+    exact = np.exp2(x.astype(np.float64))
+    normal = x >= -126.0
+    rel = np.abs(got[normal] - exact[normal]) / exact[normal]
+    assert rel.max() < 1.2e-4, rel.max()

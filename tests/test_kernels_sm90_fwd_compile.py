@@ -394,7 +394,8 @@ def test_fwd_rescale_always_knob(tmp_path):
 
 
 def test_fwd_short_softmax_chain_knob(tmp_path):
-    """Sm90FwdTiles.short_softmax_chain (off; compiled, not yet timed): the row max
+    """Sm90FwdTiles.short_softmax_chain (off: 0.946-1.008x on the H200, thirteenth
+    session): the row max
     uses plain FMNMX (no FMNMX.NAN, no FSETP.NAN selects in the quad shuffles),
     and from the step's last max shuffle to its first FFMA fewer than half the
     instructions stand (Note [Short max chain]); both masks, no spills."""
@@ -416,3 +417,28 @@ def test_fwd_short_softmax_chain_knob(tmp_path):
                        first_ffma - last_shfl)
         assert got[False][:2] == (True, True) and got[True][:2] == (False, False), got
         assert 2 * got[True][2] < got[False][2], got
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_sw_exp2_knob(tmp_path, causal):
+    """Sm90FwdTiles.sw_exp2_per_32 (FA4's software exp2, Note [Software exp2]; off:
+    0.87-0.97x on the H200, thirteenth session): with
+    8 of every 32, a step of the hdim 128 kernel (2 rows of 32 columns per thread)
+    has 16 MUFU.EX2 fewer and 16 round-down adds (the polynomial's range
+    reduction) instead; off, none; no spills either way."""
+    from jax_fa4.kernels.softmax import OnlineSoftmax
+
+    assert not any(fwd_tiles(d, d, c).sw_exp2_per_32 for d in (64, 128, 256)
+                   for c in (False, True))
+    with pytest.raises(ValueError, match="sw_exp2_per_32"):
+        OnlineSoftmax(0.1, 2, sw_exp2_per_32=3)
+    got = {}
+    for sw in (0, 8):
+        _, step = _fwd_step(tmp_path, f"sw_{causal}_{sw}", causal, sw_exp2_per_32=sw)
+        # The step ends at its first O-scale / P V issue: count up to the P V wgmma.
+        end = next(i for i, x in enumerate(step) if x.startswith("HGMMA"))
+        body = step[:end]
+        got[sw] = (sum(x.startswith("MUFU.EX2") for x in body),
+                   sum(x.startswith("FADD.RM") for x in body))
+    assert got[0][1] == 0 and got[8][1] == 16, got
+    assert got[0][0] - got[8][0] == 16, got

@@ -1,9 +1,11 @@
-"""Software exp2 for the Blackwell forward softmax (FA4's MUFU offload).
+"""Software exp2 for the forward softmax (FA4's MUFU offload).
 
-Two implementations of exactly the same float32 arithmetic live here:
+Three implementations of exactly the same float32 arithmetic live here:
 
-* ``exp2_poly_x2``: the device helper, used inside a ``@cute.kernel`` trace
-  (packed ``f32x2`` FMAs, two values at a time).
+* ``exp2_poly_x2``: the Blackwell device helper, used inside a ``@cute.kernel``
+  trace (packed ``f32x2`` FMAs, two values at a time; sm_100 only).
+* ``exp2_poly``: the same steps for one value in scalar PTX, for Hopper, which
+  has no packed f32x2 arithmetic (``Sm90FwdTiles.sw_exp2_per_32``).
 * ``exp2_poly_numpy``: a host mirror in numpy float32, step by step, so the
   error claims below are tested on the CPU (tests/test_exp2_poly.py).
 
@@ -14,7 +16,10 @@ Note [Software exp2]
 On sm_100 the MUFU unit does 16 ex2 per clock per SM, while the FMA pipes do
 128 FMAs per clock. In FA4's forward at head dims <= 128 the softmax warps are
 MUFU-bound, so a fraction of each row's exp2 calls (a per-config knob, 12.5% to
-25%) is computed with FMAs instead and the two units work in parallel.
+25%) is computed with FMAs instead and the two units work in parallel. On Hopper
+(``Sm90FwdTiles.sw_exp2_per_32``) it measured slower in proportion to the
+instructions it adds (0.94-0.97x at 12.5%, 0.87-0.91x at 25%): there the softmax is
+bound by issue and latency, so it stays off.
 
 The softmax arguments are ``x = s * c - m_ref * c``: at most 0 with a fresh
 row max and at most 8 while the max is stale (Note [Lazy rescale] in
@@ -118,6 +123,54 @@ def exp2_poly_x2(x: Float32, y: Float32) -> tuple[Float32, Float32]:
     return rx, ry
 
 
+def _f32_hex(v: float) -> str:
+    """A float32 constant as a PTX immediate (0fXXXXXXXX), exact."""
+    return f"0f{int(np.array(v, dtype=np.float32).view(np.uint32)):08X}"
+
+
+# Steps 1-5 of Note [Software exp2] for one value. Every rounding mode is
+# explicit (.rn / .rm), so ptxas cannot contract or reorder them: the result is
+# bit for bit what exp2_poly_numpy forms (up to the mirror's documented
+# double-rounding caveat in the fma).
+_EXP2_POLY_PTX = (
+    "{\n\t"
+    ".reg .f32 xc, t, n, f, p;\n\t"
+    ".reg .b32 tb, pb;\n\t"
+    ".reg .pred small;\n\t"
+    f"max.f32 xc, $1, {_f32_hex(EXP2_CLAMP)};\n\t"
+    f"add.rm.f32 t, xc, {_f32_hex(EXP2_ROUND_MAGIC)};\n\t"
+    f"sub.rn.f32 n, t, {_f32_hex(EXP2_ROUND_MAGIC)};\n\t"
+    "sub.rn.f32 f, xc, n;\n\t"
+    f"fma.rn.f32 p, f, {_f32_hex(EXP2_POLY[3])}, {_f32_hex(EXP2_POLY[2])};\n\t"
+    f"fma.rn.f32 p, p, f, {_f32_hex(EXP2_POLY[1])};\n\t"
+    f"fma.rn.f32 p, p, f, {_f32_hex(EXP2_POLY[0])};\n\t"
+    "mov.b32 tb, t;\n\t"
+    "mov.b32 pb, p;\n\t"
+    "shl.b32 tb, tb, 23;\n\t"
+    "add.s32 pb, pb, tb;\n\t"
+    f"setp.lt.f32 small, xc, {_f32_hex(EXP2_FLUSH_BELOW)};\n\t"
+    "selp.b32 $0, 0, pb, small;\n\t"
+    "}\n"
+)
+
+
+@dsl_user_op
+def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x for -inf <= x < 127 on the FMA and ALU pipes, one value (Note [Software
+    exp2]); any arch."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            _EXP2_POLY_PTX,
+            "=r,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 # ------------------------------------------------------------------ host side
 def exp2_poly_numpy(x: np.ndarray) -> np.ndarray:
     """Numpy float32 mirror of ``exp2_poly_x2``, one device step per line.
@@ -151,6 +204,7 @@ __all__ = [
     "EXP2_FLUSH_BELOW",
     "EXP2_POLY",
     "EXP2_ROUND_MAGIC",
+    "exp2_poly",
     "exp2_poly_numpy",
     "exp2_poly_x2",
 ]

@@ -162,8 +162,16 @@ class Sm90FwdTiles:
     rescale_always: bool = False
     # The softmax's short max chain (Note [Short max chain]): plain fmax chains
     # with the old max folded in, and the keep test and reference offset
-    # precomputed a block ahead. Compiled; not yet timed.
+    # precomputed a block ahead. Off: 0.946x / 0.982x at hdim 64 8k (7 rounds),
+    # 1.008x at hdim 128 4k causal (7), 0.99x / 1.00x at 16k (single timings).
     short_softmax_chain: bool = False
+    # FA4's software exp2 (Note [Software exp2] in exp2.py): of every 32 columns
+    # of a row, this many (evenly spread) take P's exp2 from the scalar
+    # polynomial ``exp2_poly`` (10 instructions) on the FMA / ALU pipes instead of
+    # MUFU. 0 = MUFU only, the table's everywhere: on the H200 (thirteenth session)
+    # 4 measured 0.937-0.965x and 8 0.868-0.910x at hdim 64 / 128, both masks. The
+    # Hopper softmax is bound by issue and latency, not by MUFU.
+    sw_exp2_per_32: int = 0
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -921,7 +929,8 @@ class FlashFwdSm90:
         acc_O.fill(0.0)
 
         softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]),
-                                short_chain=self.tiles.short_softmax_chain)
+                                short_chain=self.tiles.short_softmax_chain,
+                                sw_exp2_per_32=self.tiles.sw_exp2_per_32)
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0))
 

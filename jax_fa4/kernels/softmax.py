@@ -54,6 +54,8 @@ import math
 import cutlass
 from cutlass import Float32, cute
 
+from jax_fa4.kernels.exp2 import exp2_poly
+
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
@@ -96,9 +98,16 @@ class OnlineSoftmax:
         num_rows: int,
         rescale_threshold: float = RESCALE_THRESHOLD,
         short_chain: bool = False,
+        sw_exp2_per_32: int = 0,
     ):
         if short_chain and not scale_log2 > 0:
             raise ValueError(f"the short max chain needs a positive scale, got {scale_log2}")
+        if sw_exp2_per_32 not in (0, 1, 2, 4, 8, 16):
+            raise ValueError(f"sw_exp2_per_32 must be 0 or a power of two up to 16, "
+                             f"got {sw_exp2_per_32}")
+        # Of every 32 columns of a row, this many (evenly spread) take P's exp2 from
+        # the polynomial (exp2_poly) instead of MUFU (Note [Software exp2]).
+        self.sw_exp2_per_32 = sw_exp2_per_32
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -156,7 +165,10 @@ class OnlineSoftmax:
             self.row_max[r] = ref
             ref_safe = Float32(0.0) if ref == -Float32.inf else ref
             neg_ref_scaled = -ref_safe * c
-            p = cute.math.exp2(row * c + neg_ref_scaled, fastmath=True)
+            if cutlass.const_expr(self.sw_exp2_per_32 == 0):
+                p = cute.math.exp2(row * c + neg_ref_scaled, fastmath=True)
+            else:
+                p = self._exp2_mixed(s_mn[r, None], neg_ref_scaled)
             blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = blk_sum
@@ -164,6 +176,21 @@ class OnlineSoftmax:
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + blk_sum
             s_mn[r, None].store(p)
         return row_scale
+
+    @cute.jit
+    def _exp2_mixed(self, row: cute.Tensor, neg_ref_scaled: Float32):
+        """exp2(row * c + neg_ref_scaled) of one row's registers, returned as a
+        TensorSSA: every (32 / sw_exp2_per_32)-th column from exp2_poly, the rest
+        from MUFU, so the FMA and MUFU pipes share the row."""
+        step = 32 // self.sw_exp2_per_32
+        c = self.scale_log2
+        for i in cutlass.range_constexpr(cute.size(row)):
+            x = row[i] * c + neg_ref_scaled
+            if cutlass.const_expr(i % step == step - 1):
+                row[i] = exp2_poly(x)
+            else:
+                row[i] = cute.math.exp2(x, fastmath=True)
+        return row.load()
 
     @cute.jit
     def _online_softmax_short(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
@@ -200,7 +227,10 @@ class OnlineSoftmax:
                 # exp2((old - cand) c); 0 when old is -inf. Used only when it moves.
                 scale = cute.math.exp2(old * c + neg_cand, fastmath=True)
                 row_scale[r] = Float32(1.0) if keep else scale
-            p = cute.math.exp2(row.load() * c + neg_ref, fastmath=True)
+            if cutlass.const_expr(self.sw_exp2_per_32 == 0):
+                p = cute.math.exp2(row.load() * c + neg_ref, fastmath=True)
+            else:
+                p = self._exp2_mixed(row, neg_ref)
             self.row_max[r] = ref
             self.neg_ref[r] = neg_ref
             self.keep_limit[r] = ref + self.rescale_threshold / c
