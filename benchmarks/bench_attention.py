@@ -17,7 +17,11 @@ timed in R alternating rounds (scripts/ab_timing.py: A B C, then C B A, ...),
 each round `--iters` back-to-back calls of each forward and backward; the figure
 is the median over the rounds, and the CSV gets each one's range over the rounds
 (fwd_range / bwd_range, as a fraction of the median). Clock and power drift then
-hit every implementation alike instead of whichever ran last.
+hit every implementation alike instead of whichever ran last. Before each timed
+burst the same implementation runs untimed for --settle-ms (200 ms): under this
+load the H200 sits at its 700 W power cap, where each kernel holds its own SM clock
+(scripts/clock_probe.py), and an unsettled burst partly runs at the clock the
+previous implementation left (ab_timing's Note [Clock settling]).
 
 Memory of the forward + backward step, in MiB:
   temp / total  JAX implementations: XLA's buffer assignment of the compiled
@@ -206,10 +210,11 @@ def measure(prep: Prepared, iters: int, reps: int = 5):
     return t_fwd, t_bwd, prep.mem
 
 
-def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int):
+def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: float = 0.0):
     """{name: (fwd seconds, bwd seconds, memory, fwd range, bwd range)} of every
-    implementation of a case, timed in alternating rounds (ab_timing.interleaved);
-    the seconds are medians over the rounds, the ranges (max - min) / median."""
+    implementation of a case, timed in alternating rounds (ab_timing.interleaved,
+    with its `settle` seconds before each timed burst); the seconds are medians
+    over the rounds, the ranges (max - min) / median."""
     from ab_timing import interleaved
 
     calls = {}
@@ -222,7 +227,7 @@ def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int):
         for sync in syncs:
             sync(outs)
 
-    times = interleaved(calls, sync_all, rounds=rounds, inner=iters, warmup=1)
+    times = interleaved(calls, sync_all, rounds=rounds, inner=iters, warmup=1, settle=settle)
     out = {}
     for name, prep in preps.items():
         tf, tb = times[(name, "fwd")], times[(name, "bwd")]
@@ -328,7 +333,16 @@ def main(argv=None):
                    help="backward time: the backward alone on saved residuals (direct; "
                         "two H200 runs agreed within 1.5%%), or the fwd+bwd step minus "
                         "the forward (diff; flash-attn-4's 1k causal row read 321-363)")
+    p.add_argument("--settle-ms", type=float, default=None,
+                   help="with --rounds: before each timed burst, run the same implementation "
+                        "untimed for at least this long (default 200; 0: no settling, the "
+                        "method before 2026-11-30), so the burst starts at the clock its own "
+                        "kernel holds at the power cap (ab_timing's Note [Clock settling])")
     args = p.parse_args(argv)
+    if args.settle_ms is None:
+        args.settle_ms = 200.0 if args.rounds > 1 else 0.0
+    elif args.rounds < 2:
+        p.error("--settle-ms applies to --rounds > 1")
     peers = set(args.peers.split(",")) if args.peers else set()
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -427,9 +441,9 @@ def bench_case_rounds(impls, q, k, v, causal, have_fa4, args, i, n_cases):
         except Exception as e:  # noqa: BLE001
             print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     print(f"[{i + 1}/{n_cases}] timing {len(preps)} implementations in {args.rounds} "
-          "alternating rounds ...", flush=True)
+          f"alternating rounds (settling {args.settle_ms:g} ms before each) ...", flush=True)
     try:
-        results = measure_rounds(preps, args.iters, args.rounds)
+        results = measure_rounds(preps, args.iters, args.rounds, args.settle_ms / 1e3)
     except Exception as e:  # noqa: BLE001 - one failed case must not end the run
         print(f"  timing failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results = {}

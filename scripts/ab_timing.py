@@ -15,10 +15,22 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 
+# Note [Clock settling]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Under a sustained attention load the H200 sits at its 700 W power cap, and its
+# SM clock depends on the kernel: 1.59-1.89 GHz in the fourteenth session's
+# scripts/clock_probe.py runs (cuDNN's kernels run at 50-200 MHz more than
+# jax_fa4's or flash-attn-4's at the same power). After a switch of kernel the clock
+# takes time to move to the new kernel's level, so a burst of 20 calls (3-70 ms)
+# partly runs at the clock the previous variant left behind. In the benchmark's
+# fixed order flash-attn-4's forward follows cuDNN's backward in every other round.
+# `settle` runs the variant untimed first, so each timed burst starts settled.
+
 
 def interleaved(calls: Mapping[str, Callable[[], object]], sync: Callable[[object], object],
                 rounds: int = 7, inner: int = 20, warmup: int = 3,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                clock: Callable[[], float] = time.perf_counter,
+                settle: float = 0.0) -> dict[str, list[float]]:
     """Seconds per call of each variant, one entry per round.
 
     calls: name -> a function launching one step (asynchronously) and returning
@@ -33,6 +45,11 @@ def interleaved(calls: Mapping[str, Callable[[], object]], sync: Callable[[objec
     slower (ninth session). One untimed round of `inner` calls per variant
     follows the `warmup` calls, so the first timed round starts from the same
     memory state as the others.
+
+    settle > 0: before each timed burst, untimed bursts of `inner` calls of the
+    same variant run until at least `settle` seconds have passed (Note [Clock
+    settling]), so that the timed burst starts at the clock its own kernel holds
+    under load instead of at the one the previous variant left behind.
     """
     if rounds < 1 or inner < 1:
         raise ValueError("rounds and inner must be positive")
@@ -52,6 +69,12 @@ def interleaved(calls: Mapping[str, Callable[[], object]], sync: Callable[[objec
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for n in names if r % 2 == 0 else reversed(names):
+            if settle > 0:
+                t_settle = clock()
+                while True:
+                    run(calls[n])
+                    if clock() - t_settle >= settle:
+                        break
             t0 = clock()
             run(calls[n])
             times[n].append((clock() - t0) / inner)

@@ -105,6 +105,34 @@ def reference(q, k, v, causal: bool, scale: float, dtype):
     return o, lse
 
 
+# --tiles knobs: name -> (Sm90FwdTiles field, value).
+KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
+         "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False),
+         "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False),
+         "merge": ("merge_diagonal_loop", True), "pin": ("pin_pv_wait", True),
+         "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False),
+         "elect": ("elect_release", True), "noelect": ("elect_release", False),
+         "rsa": ("rescale_always", True), "norsa": ("rescale_always", False),
+         "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False)}
+
+
+def tile_variant(spec: str) -> dict:
+    """The Sm90FwdTiles overrides of a --tiles variant such as "st3+oq" (see --tiles)."""
+    over = {}
+    for knob in spec.split("+"):
+        if knob.startswith("n") and knob[1:].isdigit():
+            over["tile_n"] = int(knob[1:])
+        elif knob.startswith("sw") and knob[2:].isdigit():
+            over["sw_exp2_per_32"] = int(knob[2:])
+        elif knob.startswith("st"):
+            over["num_stages"] = int(knob[2:])
+        elif knob in KNOBS:
+            over[KNOBS[knob][0]] = KNOBS[knob][1]
+        else:
+            raise ValueError(f"unknown tile knob {knob!r}")
+    return over
+
+
 def resolve(overrides, d: int, causal: bool):
     """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
     for this head dim and mask); None for the default; False where the variant
@@ -261,30 +289,6 @@ def main() -> int:
     if args.wg2:
         variants = [("wg2", wg2)]
     d_var = 64 if args.hdim64 else d_main
-    knobs = {"pers": ("persistent", True), "nopers": ("persistent", False),
-             "lpt": ("lpt", True), "nolpt": ("lpt", False), "oq": ("separate_o", False),
-             "prune": ("prune_diagonal_loop", True), "noprune": ("prune_diagonal_loop", False),
-             "merge": ("merge_diagonal_loop", True), "pin": ("pin_pv_wait", True),
-             "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False),
-             "elect": ("elect_release", True), "noelect": ("elect_release", False),
-             "rsa": ("rescale_always", True), "norsa": ("rescale_always", False),
-             "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False)}
-
-    def tile_variant(spec):
-        over = {}
-        for knob in spec.split("+"):
-            if knob.startswith("n") and knob[1:].isdigit():
-                over["tile_n"] = int(knob[1:])
-            elif knob.startswith("sw") and knob[2:].isdigit():
-                over["sw_exp2_per_32"] = int(knob[2:])
-            elif knob.startswith("st"):
-                over["num_stages"] = int(knob[2:])
-            elif knob in knobs:
-                over[knobs[knob][0]] = knobs[knob][1]
-            else:
-                raise ValueError(f"unknown tile knob {knob!r}")
-        return over
-
     extra = [(spec, tile_variant(spec)) for spec in args.tiles.split(",") if spec]
     if extra:  # check the variants only (the default's checks are the GPU tests)
         variants = extra

@@ -42,6 +42,24 @@ def test_rounds_alternate_the_order_and_time_each_call():
     assert synced == list("abc") + list("abc") + list("abc") + list("cba") + list("abc")
 
 
+def test_settle_runs_the_variant_untimed_before_each_timed_burst():
+    """settle (Note [Clock settling]): before each timed burst, bursts of `inner`
+    calls of the same variant run until `settle` seconds have passed; they are not
+    in the timings, and the order of the rounds is unchanged."""
+    clock = FakeClock({"a": 2.0, "b": 1.0})
+    calls = {n: clock.call(n) for n in "ab"}
+    synced = []
+    times = ab_timing.interleaved(calls, synced.append, rounds=2, inner=2, warmup=1,
+                                  clock=clock, settle=5.0)
+    assert times == {"a": [2.0] * 2, "b": [1.0] * 2}
+    # a: bursts of 4 s, so two settle bursts (8 s >= 5) then the timed one;
+    # b: bursts of 2 s, three settle bursts (6 s >= 5) then the timed one.
+    a_round, b_round = "aa" * 3, "bb" * 4
+    assert "".join(clock.log) == "ab" + "aabb" + a_round + b_round + b_round + a_round
+    # one sync per burst, timed or not
+    assert synced == list("ab") + list("ab") + list("aaabbbb") + list("bbbbaaa")
+
+
 def test_summary_reports_median_spread_and_ratio():
     times = {"default": [1.0, 1.1, 1.0], "faster": [0.5, 0.5, 0.55], "same": [1.02, 1.0, 0.99]}
     lines = ab_timing.summary(times, flops=2e12)

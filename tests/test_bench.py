@@ -76,6 +76,8 @@ def test_rounds_time_every_implementation_interleaved(bwd_timing, monkeypatch):
 
     monkeypatch.setattr(ab_timing, "interleaved", spy)
     res = ba.measure_rounds(preps, iters=2, rounds=3)
+    with pytest.raises(SystemExit):  # --settle-ms needs --rounds
+        ba.main(["--settle-ms", "50", "--cases", "128:1024:0"])
     assert set(res) == {"a", "b"}
     for t_fwd, t_bwd, mem, r_fwd, r_bwd in res.values():
         assert 0 < t_fwd < 10 and 0 < t_bwd < 10
@@ -117,3 +119,20 @@ def test_table_prints_three_decimal_ratios_and_ranges(capsys):
     assert ours[-2:] == ["1.8", "3.9"], ours
     assert peer[-2:] == ["-", "-"], peer
     assert f"{621 / 625:.3f}" in peer and f"{567 / 570:.3f}" in peer, peer
+
+
+def test_measure_rounds_passes_settle_to_the_rounds(monkeypatch):
+    """--settle-ms reaches ab_timing.interleaved as seconds."""
+    import ab_timing
+
+    seen = {}
+
+    def fake(calls, sync, **kw):
+        seen.update(kw)
+        return {n: [1.0, 2.0] for n in calls}
+
+    monkeypatch.setattr(ab_timing, "interleaved", fake)
+    prep = ba.Prepared(fwd=lambda: 0, bwd=lambda: 0, sync=lambda _: None, mem={})
+    res = ba.measure_rounds({"x": prep}, iters=3, rounds=2, settle=0.05)
+    assert seen == {"rounds": 2, "inner": 3, "warmup": 1, "settle": 0.05}
+    assert res["x"][:2] == (1.5, 1.5)

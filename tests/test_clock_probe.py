@@ -1,0 +1,39 @@
+"""CPU checks of scripts/clock_probe.py's sample parsing and of the --tiles knob
+parser it shares with scripts/gpu_check_fwd.py."""
+
+import datetime
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+
+def test_read_samples_parses_nvidia_smi_lines(tmp_path):
+    import clock_probe
+
+    path = tmp_path / "smi.csv"
+    path.write_text(
+        "2026/11/30 10:30:00.125, 1755, 690.41, 61, 0x0000000000000004\n"
+        "2026/11/30 10:30:00.145, 1980, 120.00, 40\n"
+        "garbage line\n"
+        "2026/11/30 10:30:00.165, [N/A], 690.0, 61, 0x4\n")
+    got = clock_probe.read_samples(str(path))
+    t0 = datetime.datetime(2026, 11, 30, 10, 30, 0, 125000).timestamp()
+    assert [(round(t - t0, 3), mhz, w, r) for t, mhz, w, r in got] == [
+        (0.0, 1755.0, 690.41, "0x0000000000000004"), (0.02, 1980.0, 120.0, None)]
+
+
+def test_tile_variant_parses_knob_specs():
+    pytest.importorskip("cutlass")
+    from gpu_check_fwd import resolve, tile_variant
+
+    assert tile_variant("st3+oq") == {"num_stages": 3, "separate_o": False}
+    assert tile_variant("n176") == {"tile_n": 176}
+    assert tile_variant("sw8+rsa") == {"sw_exp2_per_32": 8, "rescale_always": True}
+    with pytest.raises(ValueError, match="unknown tile knob"):
+        tile_variant("st3+bogus")
+    tiles = resolve(tile_variant("st3"), 64, True)
+    assert tiles.num_stages == 3 and tiles.tile_m == 192
+    assert resolve(tile_variant("lpt"), 128, False) is False  # causal only
