@@ -36,7 +36,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from cutlass.jax import TensorSpec, cutlass_call  # noqa: E402
 
-from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90  # noqa: E402
+from jax_fa4.kernels.sm90_fwd import (  # noqa: E402
+    FlashFwdSm90Dynamic,
+    FlashFwdSm90Split,
+    fwd_tiles,
+    make_fwd_sm90,
+)
 
 log = logging.getLogger("gpu_check_fwd")
 
@@ -59,10 +64,12 @@ SHAPES_SHORT = [(2, 17, 17, 8, 2), (2, 113, 203, 4, 4), (2, 1000, 1000, 8, 2)]
 def fwd_call(dtype, d: int, causal: bool, shape, poison: bool, tiles=None):
     """A jitted f(q, k, v[, o0, lse0]) -> (o, lse) through cutlass_call. The causal
     persistent kernel also gets a zeroed tile counter (after V, aliased to a third
-    output that is dropped)."""
-    b, sq, _, hq, _ = shape
+    output that is dropped); the split tail its zeroed counters (after V, aliased
+    to the last output) and the parts' O and LSE (outputs after lse), all dropped."""
+    b, sq, sk, hq, _ = shape
     kernel = make_fwd_sm90(dtype, d, d, causal, tiles=tiles)
     dynamic = isinstance(kernel, FlashFwdSm90Dynamic)
+    split = kernel.split_shapes(b, sq, sk, hq) if isinstance(kernel, FlashFwdSm90Split) else None
     spec = TensorSpec(divisibility=(1, 1, 1, d))
     lse_spec = TensorSpec(divisibility=(1, 1, 1))
     out_sd = [
@@ -75,6 +82,13 @@ def fwd_call(dtype, d: int, causal: bool, shape, poison: bool, tiles=None):
         in_spec.append(TensorSpec(divisibility=(1,)))
         out_spec.append(TensorSpec(divisibility=(1,)))
         aliases[3] = 2
+    if split:
+        out_sd += [jax.ShapeDtypeStruct(split[1], jnp.float32),
+                   jax.ShapeDtypeStruct(split[2], jnp.float32),
+                   jax.ShapeDtypeStruct(split[0], jnp.int32)]
+        in_spec.append(TensorSpec(divisibility=(1,)))
+        out_spec += [TensorSpec(divisibility=(1, 1, 1))] * 2 + [TensorSpec(divisibility=(1,))]
+        aliases[3] = 4
     if poison:
         aliases.update({len(in_spec): 0, len(in_spec) + 1: 1})
         in_spec += [spec, lse_spec]
@@ -83,6 +97,8 @@ def fwd_call(dtype, d: int, causal: bool, shape, poison: bool, tiles=None):
 
     def f(q, k, v, *outs):
         counter = (jnp.zeros((1,), jnp.int32),) if dynamic else ()
+        if split:
+            counter = (jnp.zeros(split[0], jnp.int32),)
         return call(q, k, v, *counter, *outs)[:2]
 
     return jax.jit(f)
@@ -113,7 +129,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "nopin": ("pin_pv_wait", False), "nomerge": ("merge_diagonal_loop", False),
          "elect": ("elect_release", True), "noelect": ("elect_release", False),
          "rsa": ("rescale_always", True), "norsa": ("rescale_always", False),
-         "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False)}
+         "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False),
+         "split": ("split_tail", True), "nosplit": ("split_tail", False)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -136,11 +153,13 @@ def tile_variant(spec: str) -> dict:
 def resolve(overrides, d: int, causal: bool):
     """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
     for this head dim and mask); None for the default; False where the variant
-    does not serve the mask (lpt, merge: causal only)."""
+    does not serve the mask (lpt, merge: causal only; split_tail: non-causal only)."""
     if overrides is None:
         return None
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
     if (tiles.lpt or tiles.merge_diagonal_loop) and not causal:
+        return False
+    if tiles.split_tail and causal:
         return False
     return tiles
 
@@ -243,7 +262,8 @@ def main() -> int:
         "or the pipeline's lane test), rsa / norsa (O rescaled in every step / behind the lazy "
         "rescale's branch), pin / nopin (P V wait kept below the exp2s or not), ssc / nossc "
         "(the softmax's short max chain or the reduction's), sw<K> (K of every 32 exp2s of P in "
-        "software), joined with +",
+        "software), split / nosplit (non-causal: the grid's last round split along the keys), "
+        "joined with +",
     )
     ap.add_argument(
         "--wg2",

@@ -197,6 +197,64 @@ def test_flax_nnx_train_step_on_kernel():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.parametrize("shape,d,parts", [
+    ((1, 1500, 1500, 18, 6), 128, 3),  # 216 tiles: 84 left, 3 parts; GQA; Sk % 128 != 0
+    ((1, 1000, 1000, 20, 20), 128, 2),  # 160 tiles: 28 left, parts of 4 key blocks
+    ((1, 4096, 4096, 34, 34), 128, 4),  # 1088 tiles: 8 rounds and 32 left
+    ((1, 2000, 1999, 14, 7), 64, 4),  # 192-row tiles: 154, 22 left
+    ((2, 113, 203, 4, 4), 128, 1),  # fewer tiles than SMs: nothing to split
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_forward_split_tail(shape, d, parts):
+    """Sm90FwdTiles.split_tail (Note [Split tail]), through the kernel alone: the
+    tiles of the grid's last round in 2-4 parts along the keys, merged by the part
+    that counts in last. O and LSE (poisoned) against the f32 reference, 2x rule;
+    each tail tile's counter ends at the number of parts."""
+    from cutlass.jax import TensorSpec, cutlass_call
+
+    from jax_fa4.kernels.sm90_fwd import (
+        FlashFwdSm90Split,
+        fwd_tiles,
+        make_fwd_sm90,
+        split_tail_parts,
+    )
+
+    b, sq, sk, hq, hkv = shape
+    dtype = jnp.bfloat16
+    tiles = dataclasses.replace(fwd_tiles(d, d, False), split_tail=True)
+    kernel = make_fwd_sm90(dtype, d, d, False, tiles=tiles)
+    assert isinstance(kernel, FlashFwdSm90Split)
+    total = -(-sq // tiles.tile_m) * hq * b
+    assert split_tail_parts(total, min(total, kernel.num_sms), -(-sk // tiles.tile_n)) == parts
+    counters, part_o, part_lse = kernel.split_shapes(b, sq, sk, hq)
+    spec = TensorSpec(divisibility=(1, 1, 1, d))
+    lse_spec = TensorSpec(divisibility=(1, 1, 1))
+    ws_spec = TensorSpec(divisibility=(1, 1, 1))
+    one = TensorSpec(divisibility=(1,))
+    out_sd = (jax.ShapeDtypeStruct((b, sq, hq, d), dtype),
+              jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+              jax.ShapeDtypeStruct(part_o, jnp.float32),
+              jax.ShapeDtypeStruct(part_lse, jnp.float32),
+              jax.ShapeDtypeStruct(counters, jnp.int32))
+    call = jax.jit(cutlass_call(
+        kernel, output_shape_dtype=out_sd,
+        input_spec=[spec, spec, spec, one, spec, lse_spec],
+        output_spec=[spec, lse_spec, ws_spec, ws_spec, one],
+        input_output_aliases={3: 4, 4: 0, 5: 1}))
+    q, k, v = rand_qkv(sq + d, b, sq, sk, hq, hkv, d, dtype=dtype)
+    out, lse, _, _, count = call(q, k, v, jnp.zeros(counters, jnp.int32),
+                                 jnp.full((b, sq, hq, d), jnp.nan, dtype),
+                                 jnp.full((b, hq, sq), jnp.nan, jnp.float32))
+    tail = total - (total // min(total, kernel.num_sms)) * min(total, kernel.num_sms)
+    if parts > 1:  # every tail tile counted in once per part
+        assert count.tolist() == [parts] * tail, count
+    else:
+        assert count.tolist() == [0], count
+    hi = _ref(q, k, v, False, jnp.float32)
+    lo = _ref(q, k, v, False, dtype)
+    assert_close_2x(out, hi[0], lo[0], atol=1e-3, name="out")
+    assert_close_2x(lse, hi[1], lo[1], atol=1e-3, name="lse")
+
+
 _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     "persistent": (False, {"persistent": True}),
     "lpt": (True, {"lpt": True, "persistent": False}),

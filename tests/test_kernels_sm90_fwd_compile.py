@@ -199,6 +199,78 @@ def test_lpt_tile_order(num_m, heads, batch, section):
         assert hb[start * num_m:(start + size) * num_m] == list(range(start, start + size)) * num_m
 
 
+@pytest.mark.parametrize("total,grid,n_blocks,parts", [
+    (2048, 132, 128, 3),  # hdim 128 at every benchmark row: 68 tiles left, a 2/3 tail
+    (2048, 132, 32, 3),
+    (2048, 132, 8, 1),  # 1k tokens: parts of 4 blocks would need S = 2, which saves nothing
+    (2752, 132, 64, 1),  # hdim 64 at 8k: 112 tiles left, no S shortens the tail
+    (1056, 132, 32, 1),  # no partial round
+    (16, 16, 128, 1),  # fewer tiles than SMs: one round
+    (160, 132, 8, 2), (216, 132, 12, 3), (154, 132, 16, 4), (1088, 132, 32, 4),
+])
+def test_split_tail_plan(total, grid, n_blocks, parts):
+    """split_tail_parts picks the S (2-4) whose tail, ceil(S R / G) / S tiles, is
+    shortest, with parts of at least _SPLIT_MIN_BLOCKS key blocks; and the unit
+    order covers every key block of every tile exactly once, each part a
+    contiguous range, the parts of a tail tile on different CTAs of one round."""
+    from jax_fa4.kernels.sm90_fwd import split_tail_parts, split_tail_units, split_unit
+
+    got = split_tail_parts(total, grid, n_blocks)
+    assert got == parts
+    full, units = split_tail_units(total, grid, got)
+    assert full % grid == 0 or got == 1
+    cover = {}
+    for u in range(units):
+        tile, lo, hi, is_part, v = split_unit(u, full, got, n_blocks)
+        assert is_part == (u >= full) and 0 <= lo < hi <= n_blocks
+        if is_part:
+            assert v == u - full and tile == full + v // got
+        else:
+            assert (tile, lo, hi) == (u, 0, n_blocks)
+        cover.setdefault(tile, []).extend(range(lo, hi))
+    assert sorted(cover) == list(range(total))
+    assert all(sorted(b) == list(range(n_blocks)) for b in cover.values())
+    # The tail's length in tiles on the busiest CTA: ceil(S R / G) / S.
+    per_cta = [0.0] * grid
+    for u in range(units):
+        per_cta[u % grid] += 1.0 if u < full else 1.0 / got
+    if got == 1:  # the plain round robin
+        assert (full, units, max(per_cta)) == (total, total, -(-total // grid))
+    else:  # whole rounds, then a tail shorter than one tile
+        tail = -(-(total - full) * got // grid) / got
+        assert max(per_cta) == pytest.approx(full // grid + tail) and tail < 1.0
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fwd_split_tail_knob(tmp_path, d):
+    """Sm90FwdTiles.split_tail (Note [Split tail]) compiles for the persistent
+    non-causal forward: one GPU-scope atomic add (a part counting in), GPU-scope
+    fences around it, no spill, and the wgmmas as asynchronous as the table's
+    (as many full waits, ``DEPBAR.LE gsb0, 0x0``); the table's kernel has no
+    atomic. A causal or non-persistent kernel refuses the knob."""
+    import dataclasses
+
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Split, make_fwd_sm90
+
+    got = {}
+    for on in (False, True):
+        tiles = dataclasses.replace(fwd_tiles(d, d, False), split_tail=on)
+        dump = tmp_path / f"split_{on}"
+        lower_fwd_sm90(jnp.bfloat16, d, False, tiles=tiles, compile_options=dump_options(dump))
+        sass = dumped_sass(dump)
+        assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+        got[on] = (sass.count("ATOMG.E.ADD.STRONG.GPU"), "MEMBAR.ALL.GPU" in sass,
+                   sass.count("DEPBAR.LE gsb0, 0x0"))
+    assert got[False][:2] == (0, False) and got[True][:2] == (1, True), got
+    assert got[True][2] == got[False][2], got
+    assert isinstance(make_fwd_sm90(jnp.bfloat16, d, d, False, tiles=dataclasses.replace(
+        fwd_tiles(d, d, False), split_tail=True)), FlashFwdSm90Split)
+    for causal, over in ((True, {}), (False, {"persistent": False})):
+        tiles = dataclasses.replace(fwd_tiles(d, d, causal), split_tail=True, **over)
+        with pytest.raises(ValueError, match="split_tail"):
+            make_fwd_sm90(jnp.bfloat16, d, d, causal, tiles=tiles)
+
+
 def test_fwd_lpt_section_sizes():
     """Heads per L2 section (K and V of a section fit in 50 MiB): hdim 128 at 4k
     tokens is 2 MiB per head -> 16; a GQA group of 4 shares it -> 64 (the cap);

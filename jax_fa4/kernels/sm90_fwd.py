@@ -52,6 +52,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.mask import TileMask
 from jax_fa4.kernels.softmax import (
+    LN_2,
     LOG2_E,
     OnlineSoftmax,
     acc_mn_view,
@@ -172,6 +173,13 @@ class Sm90FwdTiles:
     # 4 measured 0.937-0.965x and 8 0.868-0.910x at hdim 64 / 128, both masks. The
     # Hopper softmax is bound by issue and latency, not by MUFU.
     sw_exp2_per_32: int = 0
+    # Persistent non-causal: split each tile of the last, partial round of the grid
+    # into 2-4 parts along the keys (``split_tail_parts``), so that the idle CTAs
+    # of that round share its work; the last part of a tile to finish merges the
+    # parts' O and LSE through a workspace (Note [Split tail]). Off: correct on the
+    # H200 (GPU test) but 0.973x at hdim 128 16k and 0.967x at 4k under the power
+    # cap (fourteenth session).
+    split_tail: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -207,6 +215,70 @@ def lpt_section_size(kv_blocks, group, kv_block_bytes: int,
         section = select(kv_blocks * p <= blocks_in_l2 * group, p, section)
         p *= 2
     return section
+
+
+# Note [Split tail]
+# ~~~~~~~~~~~~~~~~~
+# A persistent non-causal grid of G CTAs walks T equal tiles round robin, so its
+# time is ceil(T / G) tiles: hdim 128 has T = 2048 at every row of the benchmark
+# (16k tokens, 16 heads), 15 full rounds of 132 and a last round of 68 tiles that
+# leaves 64 SMs idle, 3% of the kernel. flash-attn-4's one-CTA-per-tile grid has
+# the same tail. With split_tail the R = T mod G tiles of the last round are cut
+# into S parts along the keys (S from 2-4, whichever makes ceil(S R / G) / S,
+# the tail's length in tiles, shortest; none where no S shortens it or a part
+# would get fewer than _SPLIT_MIN_BLOCKS key blocks): R = 68, G = 132 gives
+# S = 3, a tail of 2/3 tile. Every part ends like a tile (O normalised by its own
+# row sums, its LSE), writes both to a workspace in the fragment order of its
+# threads, and counts itself in at the tile's int32 counter (zero at launch); the
+# part that counts in last reads all S, merges them (weights exp(lse_p - lse)),
+# and runs the usual epilogue. One unit order serves the load warp and the
+# consumers: the T - R full tiles first, then part p of tail tile j as unit
+# T - R + j S + p.
+# Measured on the H200 (fourteenth session, 1 s phases at the 700 W power cap,
+# x the table's kernel): 0.973 at 16k tokens, 0.967 at 4k. Two causes: the step
+# has 6 instructions more (422 against 416 from the S wait to the next wgmma),
+# 1-2% per cycle; and the shorter tail raises the average power, so the capped
+# clock drops (1613-1632 against 1637-1649 MHz at 16k). At the cap, the SMs that
+# idle in the last round cost less than their share of the time. Off.
+_SPLIT_MIN_BLOCKS = 4
+
+
+def split_tail_parts(total, grid, n_blocks, select=lambda c, a, b: a if c else b):
+    """S, the parts per tile of the last round (Note [Split tail]); 1: no split.
+    For plain ints (tests, the workspace's size) and DSL integers alike."""
+    rem = total - (total // grid) * grid
+    best, best_cost = 1, 12  # the tail's length in twelfths of a tile
+    for parts in (2, 3, 4):
+        cost = ((parts * rem + grid - 1) // grid) * (12 // parts)
+        cost = select(n_blocks >= _SPLIT_MIN_BLOCKS * parts, cost, 12)
+        cost = select(rem > 0, cost, 12)
+        better = cost < best_cost
+        best = select(better, parts, best)
+        best_cost = select(better, cost, best_cost)
+    return best
+
+
+def split_tail_units(total, grid, parts, select=lambda c, a, b: a if c else b):
+    """(full tiles, units): the tiles before the last round when it is split
+    (all of them when parts == 1), and full + (total - full) * parts."""
+    full = select(parts == 1, total, (total // grid) * grid)
+    return full, full + (total - full) * parts
+
+
+def split_unit(u, full, parts, n_blocks, select=lambda c, a, b: a if c else b,
+               clamp0=lambda x: max(x, 0), zero=0):
+    """(tile, first key block, end key block, is a part, tail unit index) of unit u
+    of the split order (Note [Split tail]): the full tiles, then part p of tail
+    tile j as unit full + j parts + p, with key blocks [p n / parts, (p + 1) n /
+    parts) of the n = n_blocks. For plain ints (tests) and DSL integers alike."""
+    is_part = u >= full
+    v = clamp0(u - full)
+    j = v // parts
+    p = v - j * parts
+    tile = select(is_part, full + j, u)
+    n_lo = select(is_part, p * n_blocks // parts, zero)
+    n_hi = select(is_part, (p + 1) * n_blocks // parts, n_blocks)
+    return tile, n_lo, n_hi, is_part, v
 
 
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
@@ -367,6 +439,11 @@ class FlashFwdSm90:
         # O in its own SMEM buffer (persistent), else in the Q buffer.
         self.own_o = self.persistent and t.separate_o
         self.num_sms = sm_count() if self.persistent else 0
+        # The split last round (Note [Split tail]); the call then takes the tail
+        # tiles' counters and the parts' workspace (FlashFwdSm90Split).
+        self.split = self.persistent and not causal and t.split_tail
+        if t.split_tail and not self.split:
+            raise ValueError("split_tail serves the persistent non-causal forward only")
         if t.lpt and not causal:
             raise ValueError("the LPT tile order serves the causal forward only")
         logger.debug(
@@ -389,9 +466,10 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # (B, Sq, Hq, Dv)
         mLSE: cute.Tensor,  # (B, Hq, Sq) f32
     ):
-        if cutlass.const_expr(self.dynamic):
-            raise TypeError("the causal persistent forward takes a tile counter: call "
-                            "FlashFwdSm90Dynamic (see make_fwd_sm90)")
+        if cutlass.const_expr(self.dynamic or self.split):
+            raise TypeError("the causal persistent forward takes a tile counter, the split "
+                            "tail its workspace: call FlashFwdSm90Dynamic or "
+                            "FlashFwdSm90Split (see make_fwd_sm90)")
         self.launch(stream, mQ, mK, mV, mO, mLSE, None)
 
     @cute.jit
@@ -404,6 +482,7 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # (B, Sq, Hq, Dv)
         mLSE: cute.Tensor,  # (B, Hq, Sq) f32
         mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch (dynamic only)
+        split_ws: tuple | None = None,  # (counters, part O, part LSE): FlashFwdSm90Split
     ):
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
@@ -474,6 +553,8 @@ class FlashFwdSm90:
             # Dynamic scheduler: a 2-slot ring of tile indices, producer -> consumers.
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4 if self.dynamic else 0]
             sched: cute.struct.MemRange[Int32, 2 if self.dynamic else 0]
+            # Split tail: a part's count at its tile's counter, for every consumer.
+            split_flag: cute.struct.MemRange[Int32, 1 if self.split else 0]
 
         smem_bytes = SharedStorage.size_in_bytes()
         if cutlass.const_expr(smem_bytes > _SM90_MAX_SMEM_BYTES):
@@ -486,6 +567,7 @@ class FlashFwdSm90:
             grid = (cutlass.min(total, self.num_sms), 1, 1)
         if cutlass.const_expr(self.tiles.lpt and not self.persistent):
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
+        mCount, mPartO, mPartLSE = split_ws if cutlass.const_expr(self.split) else (None,) * 3
         self.kernel(
             tma_Q,
             tma_K,
@@ -493,6 +575,9 @@ class FlashFwdSm90:
             tma_O,
             mLSE,
             mTileCounter,
+            mCount,
+            mPartO,
+            mPartLSE,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -516,6 +601,9 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B) f32
         mTileCounter: cute.Tensor | None,  # (1,) int32 (dynamic scheduler only)
+        mCount: cute.Tensor | None,  # (tail tiles,) int32, zero at launch (split only)
+        mPartO: cute.Tensor | None,  # (tail units, Dv / 2, consumer threads) f32
+        mPartLSE: cute.Tensor | None,  # (tail units, 2, consumer threads) f32
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -602,6 +690,18 @@ class FlashFwdSm90:
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipe_q, pipe_k, pipe_v, q_prod, kv_prod, pipe_sched,
                         storage.sched.get_tensor(cute.make_layout(2)), mTileCounter)
+                elif cutlass.const_expr(self.split):
+                    num_m, total = self.tile_count(mQ)
+                    nb = cute.ceil_div(seqlen_k, self.tile_n)
+                    full, units, parts = self.split_plan(total, nb)
+                    for u in cutlass.range(cute.arch.block_idx()[0], units,
+                                           cute.arch.grid_dim()[0], unroll=1):
+                        t, n_lo, n_hi, _, _ = self.split_unit(u, full, parts, nb)
+                        t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        q_prod, kv_prod = self.load(
+                            mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                            pipe_q, pipe_k, pipe_v, q_prod, kv_prod, t_m, t_head,
+                            t_head // group, t_batch, n_hi, n_lo=n_lo)
                 elif cutlass.const_expr(self.persistent):
                     num_m, total = self.tile_count(mQ)
                     for t in cutlass.range(cute.arch.block_idx()[0], total,
@@ -640,6 +740,19 @@ class FlashFwdSm90:
                             seqlen_q, seqlen_k, self.n_block_max(t_m, seqlen_k),
                             first_turn=False)
                         t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
+                elif cutlass.const_expr(self.split):
+                    nb = cute.ceil_div(seqlen_k, self.tile_n)
+                    full, units, parts = self.split_plan(total, nb)
+                    flag = storage.split_flag.get_tensor(cute.make_layout(1))
+                    for u in cutlass.range(cute.arch.block_idx()[0], units,
+                                           cute.arch.grid_dim()[0], unroll=1):
+                        t, n_lo, n_hi, is_part, v = self.split_unit(u, full, parts, nb)
+                        t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        q_cons, kv_cons = self.consume(
+                            mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                            pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
+                            seqlen_q, seqlen_k, n_hi, first_turn=False, n_lo=n_lo,
+                            part=(mCount, mPartO, mPartLSE, flag, is_part, v, parts))
                 else:
                     for t in cutlass.range(cute.arch.block_idx()[0], total,
                                            cute.arch.grid_dim()[0], unroll=1):
@@ -669,6 +782,23 @@ class FlashFwdSm90:
         elif cutlass.const_expr(self.causal):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
         return m_block, head, batch
+
+    def split_plan(self, total, n_blocks):
+        """(full tiles, units, parts) of the split last round (Note [Split tail]),
+        for the grid this kernel runs with."""
+        def select(c, a, b):
+            return cutlass.select_(c, Int32(a), Int32(b))
+
+        grid = cute.arch.grid_dim()[0]
+        parts = split_tail_parts(total, grid, n_blocks, select)
+        full, units = split_tail_units(total, grid, parts, select)
+        return full, units, parts
+
+    @staticmethod
+    def split_unit(u, full, parts, n_blocks):
+        """``split_unit`` for DSL integers."""
+        return split_unit(u, full, parts, n_blocks, cutlass.select_,
+                          lambda x: cutlass.max(x, Int32(0)), Int32(0))
 
     def lpt_section(self, seqlen_k, group):
         """Heads per L2 section of this kernel (``lpt_section_size``)."""
@@ -795,9 +925,10 @@ class FlashFwdSm90:
         head_kv: Int32,
         batch: Int32,
         n_block_max: Int32,
+        n_lo=None,
     ):
-        """Producer warp: Q once, then K/V blocks from the last one down to 0.
-        Returns the advanced (Q, K/V) pipeline states.
+        """Producer warp: Q once, then K/V blocks from the last one down to 0 (to
+        n_lo: a part of a split tile). Returns the advanced (Q, K/V) pipeline states.
 
         K of block n is loaded before V of block n + 1, the order the consumers
         use them in with intra-warpgroup overlap (S_n = Q K_n is issued before
@@ -827,7 +958,9 @@ class FlashFwdSm90:
         )
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        for i in cutlass.range(n_last, unroll=1):
+        n_first = 0 if cutlass.const_expr(n_lo is None) else n_lo
+        steps = n_last if cutlass.const_expr(n_lo is None) else n_last - n_lo
+        for i in cutlass.range(steps, unroll=1):
             n_prev = n_last - i
             state_prev = state.clone()
             state.advance()
@@ -848,7 +981,7 @@ class FlashFwdSm90:
         pipe_v.producer_acquire(state)
         cute.copy(
             tma_atom_V,
-            tVgV[None, 0],
+            tVgV[None, n_first],
             tVsV[None, state.index],
             tma_bar_ptr=pipe_v.producer_get_barrier(state),
         )
@@ -906,10 +1039,15 @@ class FlashFwdSm90:
         seqlen_k: Int32,
         n_block_max: Int32,
         first_turn: cutlass.Constexpr[bool],
+        n_lo=None,
+        part=None,
     ):
         """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
         pipeline states. first_turn: give warpgroup 1 the first GEMM turn here (a
-        persistent CTA does that once, before its first tile)."""
+        persistent CTA does that once, before its first tile). n_lo, part: the
+        unit of a split tail (Note [Split tail]): key blocks [n_lo, n_block_max),
+        and (counters, part O, part LSE, SMEM flag, is a part, tail unit, parts)
+        for ``merge_parts``."""
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
         wg_layout = cute.make_layout(self.tiles.num_consumer_wg, stride=_THREADS_PER_WG)
@@ -1002,7 +1140,8 @@ class FlashFwdSm90:
                     for i in cutlass.range(n_last - n_causal, unroll=1):
                         state = self._overlapped_step(state, n_last - 1 - i, *step_args,
                                                       mask_causal=True)
-                for i in cutlass.range(n_causal, unroll=1):
+                rest = n_causal if cutlass.const_expr(n_lo is None) else n_causal - n_lo
+                for i in cutlass.range(rest, unroll=1):
                     state = self._overlapped_step(state, n_causal - 1 - i, *step_args,
                                                   mask_causal=False)
             if cutlass.const_expr(self.own_o):
@@ -1025,7 +1164,8 @@ class FlashFwdSm90:
                 for i in cutlass.range(n_last - n_causal, unroll=1):
                     state = self._serial_step(state, n_last - 1 - i, *step_args,
                                               mask_seqlen=False, mask_causal=True)
-            for i in cutlass.range(n_causal, unroll=1):
+            rest = n_causal if cutlass.const_expr(n_lo is None) else n_causal - n_lo
+            for i in cutlass.range(rest, unroll=1):
                 state = self._serial_step(state, n_causal - 1 - i, *step_args,
                                           mask_seqlen=False, mask_causal=False)
 
@@ -1035,9 +1175,13 @@ class FlashFwdSm90:
 
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
-        self.epilogue(
-            acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head, batch, seqlen_q
-        )
+        if cutlass.const_expr(part is None):
+            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block,
+                          head, batch, seqlen_q)
+        else:
+            if self.merge_parts(acc_O, lse, tidx, *part):
+                self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx,
+                              m_block, head, batch, seqlen_q)
         if cutlass.const_expr(self.persistent and not self.own_o):
             # O went out through the Q buffer: once the store has read it (waited
             # for in the epilogue), the next tile's Q may load.
@@ -1045,6 +1189,60 @@ class FlashFwdSm90:
             self._release(pipe_q, q_state)
             q_state.advance()
         return q_state, state
+
+    @cute.jit
+    def merge_parts(self, acc_O: cute.Tensor, lse: cute.Tensor, tidx, mCount: cute.Tensor,
+                    mPartO: cute.Tensor, mPartLSE: cute.Tensor, flag: cute.Tensor, is_part,
+                    v, parts):
+        """A unit of the split tail after its finalize (Note [Split tail]): a full
+        tile returns True (store it). A part writes its O (normalised) and LSE to
+        tail unit v of the workspace, in this thread's fragment order, and counts in
+        at its tile's counter; the part that counts in last reads all parts of the
+        tile, leaves the merged O and LSE in acc_O / lse and returns True."""
+        store = cutlass.Boolean(True)
+        if is_part:
+            for k in cutlass.range_constexpr(cute.size(acc_O)):
+                mPartO[v, k, tidx] = acc_O[k]
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                mPartLSE[v, r, tidx] = lse[r]
+            # Release this thread's writes at GPU scope before the count.
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+            tile = v // parts
+            if tidx == 0:
+                flag[0] = cute.arch.atomic_add(mCount.iterator + tile, Int32(1),
+                                               sem="acq_rel", scope="gpu")
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+            store = flag[0] == parts - 1
+            if store:
+                cute.arch.fence_acq_rel_gpu()
+                first = tile * parts
+                # LSE of the whole row: max over the parts, then the sum of
+                # exp(lse_p - max); a row without keys (all -inf) stays -inf.
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    top = -Float32.inf
+                    for q in cutlass.range(parts, unroll=1):
+                        top = cutlass.max(top, mPartLSE[first + q, r, tidx])
+                    top_safe = Float32(0.0) if top == -Float32.inf else top
+                    total = Float32(0.0)
+                    for q in cutlass.range(parts, unroll=1):
+                        total += cute.math.exp2(
+                            (mPartLSE[first + q, r, tidx] - top_safe) * LOG2_E, fastmath=True)
+                    lse[r] = (-Float32.inf if top == -Float32.inf else
+                              top_safe + cute.math.log2(total, fastmath=True) * LN_2)
+                acc_O.fill(0.0)
+                part_o = cute.make_rmem_tensor_like(acc_O)
+                weight = cute.make_rmem_tensor_like(lse)
+                for q in cutlass.range(parts, unroll=1):
+                    for r in cutlass.range_constexpr(cute.size(lse)):
+                        w = cute.math.exp2((mPartLSE[first + q, r, tidx] - lse[r]) * LOG2_E,
+                                           fastmath=True)
+                        weight[r] = Float32(0.0) if lse[r] == -Float32.inf else w
+                    for k in cutlass.range_constexpr(cute.size(acc_O)):
+                        part_o[k] = mPartO[first + q, k, tidx]
+                    rescale_rows(part_o, weight)
+                    acc_O.store(acc_O.load() + part_o.load())
+        return store
 
     @cute.jit
     def _overlapped_step(
@@ -1215,13 +1413,66 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
         self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter)
 
 
+class FlashFwdSm90Split(FlashFwdSm90):
+    """The persistent non-causal forward with its last round split along the keys
+    (``Sm90FwdTiles.split_tail``, Note [Split tail]).
+
+    The call takes one extra operand after V, the tail tiles' int32 counters,
+    zero at launch (aliased to an extra output), and writes two more outputs, the
+    parts' O and LSE (a workspace, dropped): ``split_shapes`` gives all three
+    shapes, ``rules.kernels_cuda.forward`` passes them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.split:
+            raise ValueError("FlashFwdSm90Split is the persistent non-causal forward with "
+                             "split_tail")
+
+    def split_shapes(self, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int):
+        """((tail tiles,), (tail units, Dv / 2, consumer threads), (tail units, 2,
+        consumer threads)): the counters' and the workspace's shapes for a problem,
+        each at least 1 long, from the plan the kernel follows on this GPU."""
+        total = -(-seqlen_q // self.tile_m) * heads_q * batch
+        grid = min(total, self.num_sms)
+        parts = split_tail_parts(total, grid, -(-seqlen_k // self.tile_n))
+        full, units = split_tail_units(total, grid, parts)
+        frag = 64 * self.head_dim_v // _THREADS_PER_WG
+        return ((max(total - full, 1),), (max(units - full, 1), frag, self.num_mma_threads),
+                (max(units - full, 1), 2, self.num_mma_threads))
+
+    @cute.jit
+    def __call__(
+        self,
+        stream: cuda.CUstream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mCount: cute.Tensor,  # (tail tiles,) int32, zero at launch
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
+        mPartO: cute.Tensor,  # (tail units, Dv / 2, consumer threads) f32
+        mPartLSE: cute.Tensor,  # (tail units, 2, consumer threads) f32
+    ):
+        if cutlass.const_expr(mCount.element_type != Int32):
+            raise TypeError("the split tail's counters must be int32")
+        if cutlass.const_expr(mPartO.element_type != Float32
+                              or mPartLSE.element_type != Float32):
+            raise TypeError("the split tail's workspace must be float32")
+        self.launch(stream, mQ, mK, mV, mO, mLSE, None, (mCount, mPartO, mPartLSE))
+
+
 def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
                   causal: bool = False, softmax_scale: float | None = None,
                   tiles: Sm90FwdTiles | None = None) -> FlashFwdSm90:
     """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
     where its tiles make it the causal persistent kernel (which takes the tile
-    counter operand), else ``FlashFwdSm90``."""
+    counter operand), ``FlashFwdSm90Split`` where they split the last round of the
+    non-causal persistent one (the counters and workspace), else ``FlashFwdSm90``."""
     hv = head_dim if head_dim_v is None else head_dim_v
     t = tiles or fwd_tiles(head_dim, hv, causal)
-    cls = FlashFwdSm90Dynamic if (t.persistent and causal) else FlashFwdSm90
+    cls = FlashFwdSm90
+    if t.persistent and causal:
+        cls = FlashFwdSm90Dynamic
+    elif t.persistent and t.split_tail:
+        cls = FlashFwdSm90Split
     return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t)

@@ -59,6 +59,21 @@ def _fwd_takes_tile_counter(key: KernelKey) -> bool:
     return key.causal and fwd_tiles(key.head_dim, key.head_dim_v, key.causal).persistent
 
 
+def _fwd_split_shapes(key: KernelKey, b: int, sq: int, sk: int, hq: int):
+    """The counters' and workspace's shapes of the sm90 forward whose tiles split
+    the last round (``FlashFwdSm90Split.split_shapes``), else None."""
+    if key.arch != "sm_90a" or key.causal:
+        return None
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Split, fwd_tiles
+
+    tiles = fwd_tiles(key.head_dim, key.head_dim_v, key.causal)
+    if not (tiles.persistent and tiles.split_tail):
+        return None
+    kernel = FlashFwdSm90Split(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v,
+                               key.causal, key.scale, tiles=tiles)
+    return kernel.split_shapes(b, sq, sk, hq)
+
+
 def _positive_scale(q, config: AttentionConfig):
     """(q, config) with a positive softmax scale, the same scaled scores.
 
@@ -91,6 +106,18 @@ def forward(q, k, v, *, config: AttentionConfig, arch: str):
         out_structs += (jax.ShapeDtypeStruct((1,), jax.numpy.int32),)
         out_static += ((0,),)
         aliases = {3: 2}
+    split = _fwd_split_shapes(key, b, sq, k.shape[1], hq)
+    if split is not None:
+        # The tail tiles' counters (a fresh zero each call, updated in place) and
+        # the parts' O and LSE (written before they are read); all dropped.
+        counters, part_o, part_lse = split
+        inputs += (jax.numpy.zeros(counters, jax.numpy.int32),)
+        in_static += ((),)
+        out_structs += (jax.ShapeDtypeStruct(part_o, jax.numpy.float32),
+                        jax.ShapeDtypeStruct(part_lse, jax.numpy.float32),
+                        jax.ShapeDtypeStruct(counters, jax.numpy.int32))
+        out_static += ((1, 2), (1, 2), ())
+        aliases = {3: 4}
     out, lse = kernel_call(
         key,
         functools.partial(_fwd_kernel, key),
