@@ -5,10 +5,10 @@ Nsight Compute locks the SM clock (1.35 GHz on the H200), and there the two
 forwards' durations differ by 0.5-1.4%; the benchmark runs at whatever clock the
 GPU's power management gives and reads gaps of 2.5-5% at the same shapes. This
 script runs each (implementation, direction) for --seconds of back-to-back calls,
-in alternating rounds, while `nvidia-smi -lms` samples the SM clock, the power
-draw and the active clock-event reasons; per phase it prints TFLOP/s, the mean
-clock and power over the phase's middle 80%, and TFLOP/s per GHz (work per
-clock cycle, which a clock difference does not change).
+in alternating rounds, while `nvidia-smi --loop-ms` samples the SM clock, the
+power draw and the active clock-event reasons; per phase it prints TFLOP/s over the
+whole phase, the mean clock and power over the phase's middle 80%, and TFLOP/s per
+GHz (work per clock cycle, which a clock difference does not change).
 
     python scripts/clock_probe.py [--cases 64:8192:1,128:16384:0] [--rounds 3]
         [--seconds 1.5] [--dirs fwd,bwd] [--variants st3,oq+st3] [--no-fa4] [--peers cudnn]
