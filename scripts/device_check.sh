@@ -10,7 +10,8 @@
 # minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
 # BWD_TIMING=diff times the backward as fwd+bwd minus fwd (default: direct, the
 # backward alone on saved residuals; bench_attention --bwd-timing). BENCH_ROUNDS=R
-# (> 1) times each case's implementations in R alternating rounds (--rounds).
+# (> 1) times each case's implementations in R alternating rounds (--rounds), each
+# timed burst after 200 ms of the same implementation (--settle-ms; BENCH_SETTLE_MS).
 # Run after `bash .device/install.sh && . /opt/jax_fa4_site/env.sh`.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -56,7 +57,7 @@ fi
 if [[ $what == bench || $what == quick || $what == all ]]; then
   flag=""; [[ $what != bench ]] && flag="--quick"
   python benchmarks/bench_attention.py $flag --peers "${PEERS:-fa4,cudnn,xla}" \
-    --rounds "${BENCH_ROUNDS:-1}" \
+    --rounds "${BENCH_ROUNDS:-1}" ${BENCH_SETTLE_MS:+--settle-ms "$BENCH_SETTLE_MS"} \
     --bwd-timing "${BWD_TIMING:-direct}" --out "$out" 2>&1 \
     | tee "$out/bench.log" | tail -40
 fi
