@@ -130,7 +130,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "elect": ("elect_release", True), "noelect": ("elect_release", False),
          "rsa": ("rescale_always", True), "norsa": ("rescale_always", False),
          "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False),
-         "split": ("split_tail", True), "nosplit": ("split_tail", False)}
+         "split": ("split_tail", True), "nosplit": ("split_tail", False),
+         "pinp": ("pin_p", True), "nopinp": ("pin_p", False)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -263,6 +264,7 @@ def main() -> int:
         "rescale's branch), pin / nopin (P V wait kept below the exp2s or not), ssc / nossc "
         "(the softmax's short max chain or the reduction's), sw<K> (K of every 32 exp2s of P in "
         "software), split / nosplit (non-causal: the grid's last round split along the keys), "
+        "pinp / nopinp (P's conversions kept in the step or folded into the loop header), "
         "joined with +",
     )
     ap.add_argument(

@@ -11,7 +11,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, const_expr, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 
@@ -97,6 +97,31 @@ def convert_to_operand_a(acc: cute.Tensor, frag_a: cute.Tensor, dtype) -> None:
     view = acc_as_operand_a(acc)
     for k in range(cute.size(frag_a, mode=[2])):  # traced inline: a static Python loop
         frag_a[None, None, k].store(view[None, None, k].load().to(dtype))
+
+
+@dsl_user_op
+def _opaque_b32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """x through an empty register move that LLVM cannot see into."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(x).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def pin_fragment(frag: cute.Tensor) -> None:
+    """Route every 32-bit register of a 16-bit register fragment through
+    ``_opaque_b32``, so that the conversions that wrote it stay where the source
+    put them (Note [P conversion in the loop header] in sm90_fwd.py)."""
+    words = cute.recast_tensor(frag, Int32)
+    for i in range(cute.size(words)):  # traced inline: a static Python loop
+        words[i] = _opaque_b32(words[i])
 
 
 @cute.jit

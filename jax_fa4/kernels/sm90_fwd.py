@@ -43,6 +43,7 @@ from jax_fa4.kernels.cute_utils import (
     consumer_release_elected,
     convert_to_operand_a,
     permute,
+    pin_fragment,
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
@@ -83,6 +84,27 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # stays below them. On its own it measured level: the P V wgmma is mostly done
 # by the point ptxas picked. At hdim 64 ptxas sinks the exp2s below the branch
 # and the pin has no effect.
+
+# Note [P conversion in the loop header]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# P's register fragment is written twice: after the first block's softmax, before
+# the KV loop, and at the end of every step. Both writes are conversions of f32
+# values, so after mem2reg the loop header's phi has a conversion on every
+# incoming edge, and LLVM's InstCombine folds the conversion through the phi: the
+# loop then carries S's 64 f32 values across the back edge and converts them in
+# the header (visible in the PTX: 32 cvt.rn.bf16x2.f32 right after the header's
+# label). In SASS the 32 F2FPs ran as one block after the lazy rescale's branch,
+# just before the next wgmmas are issued; the s12 profile put 19.6k of 308k stall
+# samples there (flash-attn-4: 7.7k). pin_p routes each 32-bit word of P through
+# an empty inline-asm move (``pin_fragment``), which LLVM cannot fold, so the
+# conversions stay in the step after the exp2s; ptxas then interleaves them with
+# the MUFUs (M a P M a P ...), as in flash-attn-4's step. ptxas also moves the P V
+# wait earlier (after about 12 of the 66 exp2s at hdim 128, instead of about 32).
+# Under the power cap (1 s phases, x the kernel without it, fifteenth session):
+# hdim 128 16k causal 1.022 / 1.023, 1k causal 1.018, 4k non-causal 1.006,
+# 16k non-causal 0.996 / 0.994 (TFLOP/s per GHz 1.007 / 1.009; the clock fell);
+# hdim 64 causal 1.006, non-causal 1.004. The s13 log blamed ptxas for the
+# placement; it was LLVM.
 
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
@@ -180,6 +202,11 @@ class Sm90FwdTiles:
     # H200 (GPU test) but 0.973x at hdim 128 16k and 0.967x at 4k under the power
     # cap (fourteenth session).
     split_tail: bool = False
+    # With intra-warpgroup overlap: keep P's conversions in the step that computes
+    # P, among its exp2s, instead of in the loop header (Note [P conversion in the
+    # loop header]). In the table at hdim 64 and 128; at hdim 256 it measured
+    # 0.994x / 1.002x (non-causal / causal, fifteenth session) and stays off.
+    pin_p: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -329,6 +356,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
             pingpong=True,
             persistent=True,
             lpt=causal,
+            pin_p=True,
         )
     if d <= 128:
         tile_n = 128
@@ -352,6 +380,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         prune_diagonal_loop=d > 128,
         merge_diagonal_loop=causal and d > 128,
         pin_pv_wait=causal and d > 128,
+        pin_p=d <= 128,
     )
 
 
@@ -1113,6 +1142,8 @@ class FlashFwdSm90:
 
         def to_p(acc_S):
             convert_to_operand_a(acc_S, tOrP, self.dtype)
+            if cutlass.const_expr(self.tiles.pin_p):
+                pin_fragment(tOrP)
 
         # What every step takes after (state, n_block).
         step_args = (m_block, qk, pv, to_p, softmax, mask, acc_O, pipe_k, pipe_v)
