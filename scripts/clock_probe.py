@@ -16,6 +16,14 @@ GHz (work per clock cycle, which a clock difference does not change).
 --variants adds jax_fa4 forward kernels with other tiles (gpu_check_fwd's --tiles
 knobs), called alone (gpu_check_fwd.fwd_call), forward only; a variant that does not
 serve a case's mask (lpt: causal only) is left out of that case.
+
+--batch / --heads replace the benchmark's shape (16k tokens, hidden 2048). With few
+tiles (e.g. --batch 1 --heads 1 at 8k: 64 tiles, one per SM for 64 of the 132 SMs)
+the GPU stays below its power cap, every kernel runs at the top clock, and the power
+column then compares the kernels' energy per FLOP (pJ/FLOP = W / (TFLOP/s)) with the
+clock held equal. Calls are short there (0.1 ms at hdim 128 8k with B = H = 1), and
+flash-attn-4's calls from PyTorch then leave gaps between its kernels; --fa4-graph N
+replays N of its forward calls from one CUDA graph instead (forward only).
 """
 
 from __future__ import annotations
@@ -81,6 +89,35 @@ def read_samples(path: str):
     return out
 
 
+def case_shape(d: int, s: int, batch: int = 0, heads: int = 0) -> tuple[int, int]:
+    """(B, H) of a case: the benchmark's (16k tokens, hidden 2048) unless given."""
+    return batch or max(1, TOKENS // s), heads or max(1, HIDDEN // d)
+
+
+def graph_replay(fwd, n: int):
+    """A function that launches ``fwd`` n times by replaying one CUDA graph (PyTorch),
+    so that host overhead leaves no gaps between short kernels."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():  # forward only: no autograd state captured
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
+                fwd()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                out = fwd()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def run_phase(call, sync, seconds: float):
     """Back-to-back calls for about `seconds`; (host start, host end, calls)."""
     out = call()
@@ -108,7 +145,15 @@ def main():
     ap.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out")
     ap.add_argument("--peers", default="", help="JAX peers too (bench_attention's: cudnn, xla)")
     ap.add_argument("--csv", default="", help="also write every phase to this CSV file")
+    ap.add_argument("--batch", type=int, default=0, help="batch size (0: 16k tokens / seqlen)")
+    ap.add_argument("--heads", type=int, default=0, help="heads (0: 2048 / head dim)")
+    ap.add_argument("--fa4-graph", type=int, default=0,
+                    help="N > 0: flash-attn-4's forward as N calls replayed from a CUDA graph")
     args = ap.parse_args()
+    if args.batch < 0 or args.heads < 0:
+        ap.error("--batch and --heads must be >= 0")
+    if args.fa4_graph and (args.no_fa4 or args.dirs != "fwd"):
+        ap.error("--fa4-graph times flash-attn-4's forward: needs it and --dirs fwd")
     dirs = args.dirs.split(",")
     peers = set(filter(None, args.peers.split(",")))
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
@@ -117,14 +162,20 @@ def main():
     phases = []  # (case, impl, direction, t0, t1, calls)
     try:
         for d, s, causal in parse_cases(args.cases):
-            b, h = TOKENS // s, HIDDEN // d
+            b, h = case_shape(d, s, args.batch, args.heads)
             keys = jax.random.split(jax.random.PRNGKey(0), 3)
             q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
                        for kk in keys)
             preps = {name: prepare_jax(name, attn, q, k, v, causal, "direct")
                      for name, attn in jax_impls(peers).items()}
+            per_call = {}  # kernel launches per timed call (a CUDA graph replays several)
             if not args.no_fa4:
                 preps["fa4"] = prepare_fa4_torch(q, k, v, causal, "direct")
+                if args.fa4_graph:
+                    p = preps["fa4"]
+                    preps["fa4"] = Prepared(graph_replay(p.fwd, args.fa4_graph), p.bwd,
+                                            p.sync, p.mem)
+                    per_call["fa4"] = args.fa4_graph
             order = [(n, dr) for dr in dirs for n in preps]
             for spec in filter(None, args.variants.split(",")):
                 from gpu_check_fwd import fwd_call, resolve, tile_variant
@@ -137,6 +188,8 @@ def main():
                                        jax.block_until_ready, {})
                 order.append((spec, "fwd"))
             case = f"d{d} s{s} {'c' if causal else 'nc'}"
+            if args.batch or args.heads:
+                case += f" b{b} h{h}"
             # Bring the GPU up to its loaded power state before the first timed phase.
             first = preps[order[0][0]]
             run_phase(first.fwd, first.sync, 1.0)
@@ -144,6 +197,7 @@ def main():
                 for name, dr in (order if r % 2 == 0 else order[::-1]):
                     p = preps[name]
                     t0, t1, n = run_phase(p.fwd if dr == "fwd" else p.bwd, p.sync, args.seconds)
+                    n *= per_call.get(name, 1)
                     phases.append((case, name, dr, t0, t1, n, flops(b, h, s, d, causal, dr)))
                     print(f"  {case} {name:8s} {dr} round {r}: {n} calls", flush=True)
             print(f"  {case}: done", flush=True)
@@ -155,7 +209,7 @@ def main():
     samples = read_samples(samples_path)
     print(f"{len(samples)} clock samples")
     print(f"{'case':14s} {'impl':8s} {'dir':3s} {'TF/s':>6s} {'MHz':>6s} {'W':>5s} "
-          f"{'TF/s/GHz':>8s} reasons")
+          f"{'TF/s/GHz':>8s} {'pJ/FLOP':>7s} reasons")
     summary = {}
     table = []
     for case, name, dr, t0, t1, n, fl in phases:
@@ -166,7 +220,7 @@ def main():
         watts = statistics.mean(x[2] for x in sel) if sel else float("nan")
         reasons = sorted({x[3] for x in sel if x[3]})
         print(f"{case:14s} {name:8s} {dr:3s} {tf:6.1f} {mhz:6.0f} {watts:5.0f} "
-              f"{tf / mhz * 1e3:8.1f} {','.join(reasons)}")
+              f"{tf / mhz * 1e3:8.1f} {watts / tf:7.3f} {','.join(reasons)}")
         summary.setdefault((case, dr, name), []).append((tf, mhz, watts))
         table.append((case, name, dr, f"{t1 - t0:.3f}", n, f"{tf:.1f}", f"{mhz:.0f}",
                       f"{watts:.0f}", ";".join(reasons)))
@@ -186,7 +240,8 @@ def main():
         ref = [statistics.median(x[i] for x in summary[(case, dr, "jax_fa4")]) for i in range(3)]
         print(f"ratio {case:14s} {dr} {name:10s}: TF/s {mine[0]:.1f} x {mine[0] / ref[0]:.3f}  "
               f"clock {mine[1]:.0f}/{ref[1]:.0f} MHz  power {mine[2]:.0f}/{ref[2]:.0f} W  "
-              f"TF/s per GHz x {mine[0] / mine[1] / (ref[0] / ref[1]):.3f}")
+              f"TF/s per GHz x {mine[0] / mine[1] / (ref[0] / ref[1]):.3f}  "
+              f"energy per FLOP x {mine[2] / mine[0] / (ref[2] / ref[0]):.3f}")
 
 
 if __name__ == "__main__":

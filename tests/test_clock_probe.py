@@ -37,3 +37,28 @@ def test_tile_variant_parses_knob_specs():
     tiles = resolve(tile_variant("st3"), 64, True)
     assert tiles.num_stages == 3 and tiles.tile_m == 192
     assert resolve(tile_variant("lpt"), 128, False) is False  # causal only
+
+
+def test_case_shape_defaults_and_overrides():
+    import clock_probe
+
+    # The benchmark's shape: 16k tokens, hidden 2048.
+    assert clock_probe.case_shape(128, 16384) == (1, 16)
+    assert clock_probe.case_shape(64, 8192) == (2, 32)
+    assert clock_probe.case_shape(256, 1024) == (16, 8)
+    # Overrides, one or both (a below-the-cap probe: 64 tiles of hdim 128 at 8k).
+    assert clock_probe.case_shape(128, 8192, heads=1) == (2, 1)
+    assert clock_probe.case_shape(128, 8192, batch=1, heads=1) == (1, 1)
+    assert clock_probe.case_shape(128, 32768) == (1, 16)  # longer than 16k: one sequence
+
+
+@pytest.mark.parametrize("argv", [["--batch", "-1"], ["--fa4-graph", "8", "--no-fa4"],
+                                  ["--fa4-graph", "8", "--dirs", "fwd,bwd"]])
+def test_probe_refuses_bad_arguments(monkeypatch, capsys, argv):
+    import clock_probe
+
+    monkeypatch.setattr(sys, "argv", ["clock_probe.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        clock_probe.main()
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
