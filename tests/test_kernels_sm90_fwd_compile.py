@@ -242,6 +242,19 @@ def test_split_tail_plan(total, grid, n_blocks, parts):
         assert max(per_cta) == pytest.approx(full // grid + tail) and tail < 1.0
 
 
+def _knob_sass(tmp_path, name: str, d: int, causal: bool, **knobs) -> tuple:
+    """(dump folder, SASS) of the bf16 forward with Sm90FwdTiles knobs over the
+    table's entry for (d, causal); asserts that it does not spill."""
+    import dataclasses
+
+    tiles = dataclasses.replace(fwd_tiles(d, d, causal), **knobs)
+    dump = tmp_path / name
+    lower_fwd_sm90(jnp.bfloat16, d, causal, tiles=tiles, compile_options=dump_options(dump))
+    sass = dumped_sass(dump)
+    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+    return dump, sass
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_fwd_split_tail_knob(tmp_path, d):
     """Sm90FwdTiles.split_tail (Note [Split tail]) compiles for the persistent
@@ -255,11 +268,7 @@ def test_fwd_split_tail_knob(tmp_path, d):
 
     got = {}
     for on in (False, True):
-        tiles = dataclasses.replace(fwd_tiles(d, d, False), split_tail=on)
-        dump = tmp_path / f"split_{on}"
-        lower_fwd_sm90(jnp.bfloat16, d, False, tiles=tiles, compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+        _, sass = _knob_sass(tmp_path, f"split_{on}", d, False, split_tail=on)
         got[on] = (sass.count("ATOMG.E.ADD.STRONG.GPU"), "MEMBAR.ALL.GPU" in sass,
                    sass.count("DEPBAR.LE gsb0, 0x0"))
     assert got[False][:2] == (0, False) and got[True][:2] == (1, True), got
@@ -415,16 +424,10 @@ def test_fwd_elect_release_knob(tmp_path):
     the consumers release K / V / Q stages from an ELECT lane, so no lane test
     (``tid & 31`` into a predicate) is left between the first and last wgmma,
     where the table's kernel has some; both without spills."""
-    import dataclasses
     import re
 
     def lane_tests(on: bool) -> int:
-        tiles = dataclasses.replace(fwd_tiles(128, 128, False), elect_release=on)
-        dump = tmp_path / f"elect_{on}"
-        lower_fwd_sm90(jnp.bfloat16, 128, False, tiles=tiles,
-                       compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+        _, sass = _knob_sass(tmp_path, f"elect_{on}", 128, False, elect_release=on)
         walk = sass[sass.index("HGMMA"):sass.rindex("HGMMA")]
         assert ("ELECT" in walk) == on
         return len(re.findall(r"LOP3\.LUT P\d, RZ, R\d+, 0x1f,", walk))
@@ -438,14 +441,9 @@ def _fwd_step(tmp_path, name: str, causal: bool = False, **knobs) -> tuple[str, 
     """(whole SASS, instructions of the last overlapped step: from its S-ready wait
     on) of the hdim 128 forward with Sm90FwdTiles knobs over the table's; no
     spills."""
-    import dataclasses
     import re
 
-    tiles = dataclasses.replace(fwd_tiles(128, 128, causal), **knobs)
-    dump = tmp_path / name
-    lower_fwd_sm90(jnp.bfloat16, 128, causal, tiles=tiles, compile_options=dump_options(dump))
-    sass = dumped_sass(dump)
-    assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+    _, sass = _knob_sass(tmp_path, name, 128, causal, **knobs)
     ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
     start = max(i for i, x in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in x)
     return sass, ins[start:]
@@ -497,7 +495,6 @@ def test_fwd_pin_p_keeps_conversions_in_the_step(tmp_path, d):
     step's last MUFU). With it the PTX header has none, and in SASS most F2FPs
     come before the step's last MUFU (interleaved with the exp2s), its length
     within 2 instructions of the unpinned one, with no spill and as many HGMMAs."""
-    import dataclasses
 
     from kernel_compile import read_dump
 
@@ -505,11 +502,7 @@ def test_fwd_pin_p_keeps_conversions_in_the_step(tmp_path, d):
                for c in (False, True))
     got = {}
     for on in (False, True):
-        tiles = dataclasses.replace(fwd_tiles(d, d, True), pin_p=on)
-        dump = tmp_path / f"pin_{on}"
-        lower_fwd_sm90(jnp.bfloat16, d, True, tiles=tiles, compile_options=dump_options(dump))
-        sass = dumped_sass(dump)
-        assert "LDL" not in sass and "STL" not in sass, "local memory spill"
+        dump, sass = _knob_sass(tmp_path, f"pin_{on}", d, True, pin_p=on)
         ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
         start = max(i for i, x in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in x)
         end = next(i for i in range(start, len(ins)) if ins[i].startswith("HGMMA"))
