@@ -174,11 +174,11 @@ class Sm90FwdTiles:
     elect_release: bool = False
     # With intra-warpgroup overlap: multiply O by the row scales in every step,
     # not behind the lazy rescale's "all scales 1" branch. The scale stays 1 while
-    # the max lags (Note [Lazy rescale]); what goes is the branch, whose block
-    # boundary kept ptxas from interleaving P's F2FP conversions with the exp2s:
-    # they ran as one block of 32 after it (8.1k "wait" samples against
-    # flash-attn-4's 0.9k in a 16k non-causal hdim 128 profile, twelfth session;
-    # flash-attn-4 rescales in every step, its FMULs between the MUFUs). Off: with
+    # the max lags (Note [Lazy rescale]); what goes is the branch. Without pin_p,
+    # P's F2FP conversions ran as one block of 32 after that branch (8.1k "wait"
+    # samples against flash-attn-4's 0.9k in a 16k non-causal hdim 128 profile,
+    # twelfth session); the cause was LLVM, not the branch (Note [P conversion in
+    # the loop header]). flash-attn-4 rescales in every step. Off: with
     # it ptxas also hoists the P V wait to the third exp2, and it measured 0.961x /
     # 0.969x (4k non-causal / causal, 7 rounds), 0.965x / 0.954x (16k, 5) at hdim
     # 128, 1.004x / 0.971x at hdim 64; with pin_pv_wait 0.90-0.94x.
