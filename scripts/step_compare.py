@@ -1,0 +1,180 @@
+"""Compile jax_fa4's and flash-attn-4's sm90 forwards on this (CPU) machine and
+compare the SASS of their KV loop steps, without GPU time.
+
+flash-attn-4's kernel is compiled from the wheel that `../shared/device/pack.sh
+--peers` puts in .device/wheels (flash_attn_4 and quack_kernels, unpacked into
+--src). Its package imports PyTorch, Triton, tvm_ffi and einops at module level
+for its host-side interface; none of them takes part in compiling the kernel, so
+they are replaced by stand-in modules here. The kernel is built with the options
+flash-attn-4's interface uses on sm90 (2 K/V stages, intra-warpgroup overlap, P
+as the register operand of P V) and compiled against fake tensors of (B, S, 16, D).
+
+A step is printed from each S-ready wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) to
+the next HGMMA: its length, its opcode counts and a one-letter string (M MUFU,
+a FADD, f FFMA, m FMUL, P F2FP, x FMNMX, W wgmma wait, | branch, H HGMMA, . other).
+
+    python scripts/step_compare.py [--hdim 128] [--causal]
+        [--wheels .device/wheels] [--src /tmp/jax_fa4_fa4src] [--out /tmp/step_compare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.abc
+import importlib.machinery
+import os
+import pathlib
+import re
+import sys
+import zipfile
+from unittest import mock
+
+here = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(here.parent), str(here.parent / "tests")]
+
+# Modules flash-attn-4 and quack import for their host side only.
+_STAND_IN = ("torch", "triton", "tvm_ffi", "torch_c_dlpack_ext", "einops")
+
+LETTERS = {"MUFU": "M", "FADD": "a", "FFMA": "f", "FMUL": "m", "F2FP": "P", "FMNMX": "x",
+           "BRA": "|", "HGMMA": "H"}
+
+
+class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of the packages in _STAND_IN give MagicMock modules."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in _STAND_IN:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = mock.MagicMock()
+        module.__path__, module.__name__, module.__spec__ = [], spec.name, spec
+        if spec.name == "torch":
+            # Used in isinstance checks and as base classes at import time.
+            module.Tensor = type("Tensor", (), {})
+            module.device = type("device", (), {})
+            module.autograd.Function = type(
+                "Function", (), {"apply": classmethod(lambda cls, *a: None)})
+            module.nn.Module = type("Module", (), {})
+            module.cuda.is_available.return_value = False
+            module.cuda.get_device_capability.return_value = (9, 0)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def unpack(wheels: str, src: str) -> None:
+    """Unpack the flash_attn_4 and quack_kernels wheels into src (once)."""
+    for pattern, package in (("flash_attn_4-*.whl", "flash_attn"),
+                             ("quack_kernels-*.whl", "quack")):
+        if os.path.isdir(os.path.join(src, package)):
+            continue
+        found = sorted(glob.glob(os.path.join(wheels, pattern)))
+        if not found:
+            sys.exit(f"no {pattern} in {wheels}: run ../shared/device/pack.sh --peers")
+        with zipfile.ZipFile(found[-1]) as z:
+            z.extractall(src)
+
+
+def compile_fa4(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
+    """flash-attn-4's sm90 forward for bf16 (B, S, 16, d); returns its SASS."""
+    sys.meta_path.insert(0, _StandIns())
+    sys.path.insert(0, src)
+    from jax_fa4.ffi.bridge import pinned_arch
+
+    with pinned_arch("sm_90a"):  # also for a first cutlass import, which reads the target
+        import cutlass
+        import cutlass.cute as cute
+        from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+        tile_m = 192 if d <= 64 else 128  # its sm90 table: 192 rows, 3 consumers at d <= 96
+        kernel = FlashAttentionForwardSm90(
+            cutlass.BFloat16, d, d, 1, is_causal=causal, is_local=False, pack_gqa=False,
+            tile_m=tile_m, tile_n=128 if d <= 128 else 80, num_stages=2,
+            num_threads=(tile_m // 64 + 1) * 128, Q_in_regs=False, intra_wg_overlap=True,
+            mma_pv_is_rs=True)
+        # Batch and sequence length dynamic, as in its interface (a static shape makes
+        # its LPT scheduler's loop state change type in the causal kernel).
+        b, s = cute.sym_int(), cute.sym_int()
+
+        def bshd():
+            return cute.runtime.make_fake_compact_tensor(
+                cutlass.BFloat16, (b, s, 16, d), stride_order=(3, 1, 2, 0), assumed_align=16)
+
+        lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, 16, s),
+                                                    stride_order=(2, 1, 0), assumed_align=4)
+        out.mkdir(parents=True, exist_ok=True)
+        cute.compile(kernel, bshd(), bshd(), bshd(), bshd(), lse, cutlass.Float32(d ** -0.5),
+                     stream=cute.runtime.make_fake_stream(),
+                     options=f"--keep-ptx --keep-sass --dump-dir={out}")
+    return _read_sass(out)
+
+
+def compile_ours(d: int, causal: bool, out: pathlib.Path) -> str:
+    """jax_fa4's table forward for bf16 at head dim d; returns its SASS."""
+    import jax.numpy as jnp
+    from kernel_compile import dump_options, lower_fwd_sm90
+
+    lower_fwd_sm90(jnp.bfloat16, d, causal, compile_options=dump_options(out))
+    return _read_sass(out)
+
+
+def _read_sass(folder: pathlib.Path) -> str:
+    files = sorted(folder.glob("*.sass"))
+    if not files:
+        sys.exit(f"no SASS in {folder}: the DSL needs nvdisasm (pip nvidia-cuda-nvdisasm)")
+    return files[0].read_text()
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);")
+
+
+def steps(sass: str) -> list[list[str]]:
+    """The instructions of each step: from an S-ready wait to the next HGMMA."""
+    ins = [m.group(1).strip() for m in _INSTRUCTION.finditer(sass)]
+    out = []
+    for i, x in enumerate(ins):
+        if "DEPBAR.LE gsb0, 0x1" in x:
+            j = next((k for k in range(i + 1, len(ins)) if ins[k].startswith("HGMMA")), len(ins))
+            out.append(ins[i:j + 1])
+    return out
+
+
+def opcode(instruction: str) -> str:
+    parts = instruction.split()
+    return (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0]
+
+
+def describe(name: str, sass: str) -> None:
+    found = steps(sass)
+    total = len(_INSTRUCTION.findall(sass))
+    print(f"== {name}: {total} instructions, {len(found)} step(s)")
+    for n, step in enumerate(found):
+        counts = collections.Counter(opcode(x) for x in step[:-1])
+        letters = "".join("W" if x.startswith("WARPGROUP.DEPBAR") else
+                          LETTERS.get(opcode(x), ".") for x in step)
+        top = ", ".join(f"{k} {v}" for k, v in counts.most_common(12))
+        print(f"step {n}: {len(step) - 1} instructions: {top}")
+        print(letters)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hdim", type=int, default=128, choices=(64, 128, 256))
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--wheels", default=str(here.parent / ".device" / "wheels"))
+    ap.add_argument("--src", default="/tmp/jax_fa4_fa4src")
+    ap.add_argument("--out", default="/tmp/step_compare")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out) / f"d{args.hdim}_{'c' if args.causal else 'nc'}"
+    unpack(args.wheels, args.src)
+    describe("jax_fa4", compile_ours(args.hdim, args.causal, out / "jax_fa4"))
+    describe("flash-attn-4", compile_fa4(args.hdim, args.causal, out / "fa4", args.src))
+
+
+if __name__ == "__main__":
+    main()
