@@ -131,7 +131,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "rsa": ("rescale_always", True), "norsa": ("rescale_always", False),
          "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False),
          "split": ("split_tail", True), "nosplit": ("split_tail", False),
-         "pinp": ("pin_p", True), "nopinp": ("pin_p", False)}
+         "pinp": ("pin_p", True), "nopinp": ("pin_p", False),
+         "bits": ("mask_bitmask", True), "nobits": ("mask_bitmask", False)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -265,6 +266,7 @@ def main() -> int:
         "(the softmax's short max chain or the reduction's), sw<K> (K of every 32 exp2s of P in "
         "software), split / nosplit (non-causal: the grid's last round split along the keys), "
         "pinp / nopinp (P's conversions kept in the step or folded into the loop header), "
+        "bits / nobits (causal: diagonal blocks masked by a keep bitmask per row), "
         "joined with +",
     )
     ap.add_argument(

@@ -266,6 +266,8 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     # FA4's software exp2 for a quarter of P's elements (Note [Software exp2]).
     "sw_exp2": (False, {"sw_exp2_per_32": 8}),
     "sw_exp2_causal": (True, {"sw_exp2_per_32": 8}),
+    # Diagonal blocks masked through a keep bitmask per row (TileMask(bitmask=True)).
+    "bitmask": (True, {"mask_bitmask": True}),
 }
 
 
@@ -282,6 +284,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("dynamic_o_in_q", (2, 3000, 3000, 8, 2), 256), ("dynamic_o_in_q", (1, 130, 200, 3, 1), 256),
     ("sw_exp2", (2, 1000, 999, 8, 2), 128), ("sw_exp2", (2, 113, 203, 4, 4), 64),
     ("sw_exp2_causal", (2, 2000, 2000, 8, 2), 128), ("sw_exp2_causal", (1, 300, 200, 2, 1), 256),
+    ("bitmask", (1, 1, 1, 1, 1), 128), ("bitmask", (2, 1000, 999, 8, 2), 128),
+    ("bitmask", (2, 2000, 1999, 6, 2), 64), ("bitmask", (1, 300, 200, 2, 1), 256),
+    ("bitmask", (2, 203, 1113, 4, 4), 128),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -295,7 +300,9 @@ def test_forward_tile_order_knobs(knob, shape, d):
     order): 576 and 504 tiles over 132 CTAs, GQA, Sq != Sk, one tile. *_o_in_q
     (hdim 256, not yet run): persistent CTAs whose O leaves through the Q buffer,
     384 tiles, so the next tile's Q must wait for the O store. sw_exp2: every
-    fourth exp2 of P from the polynomial, both masks, hdim 64 / 128 / 256."""
+    fourth exp2 of P from the polynomial, both masks, hdim 64 / 128 / 256. bitmask
+    (causal, not yet run when added): the diagonal blocks masked by a 32-bit keep
+    mask per row, at 64 / 128 / 256 (20 elements a row), Sk below, at and above Sq."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90

@@ -568,3 +568,37 @@ def test_fwd_sw_exp2_knob(tmp_path, causal):
                    sum(x.startswith("FADD.RM") for x in body))
     assert got[0][1] == 0 and got[8][1] == 16, got
     assert got[0][0] - got[8][0] == 16, got
+
+
+@pytest.mark.parametrize("n_cols", [20, 32, 64])
+def test_mask_keep_bits_match_the_column_compare(n_cols):
+    """TileMask(bitmask=True)'s arithmetic, on plain ints: for every column limit
+    (negative, inside and past the row, as the thread offsets and the diagonal
+    give), the keep bits (``visible_elements``, then ``keep_shift`` with PTX's
+    clamped shift) keep exactly the elements whose accumulator column is below it."""
+    from jax_fa4.kernels.mask import acc_column, keep_shift, visible_elements
+
+    assert [acc_column(e) for e in range(6)] == [0, 1, 8, 9, 16, 17]
+    for limit in range(-40, 8 * n_cols + 40):
+        visible = visible_elements(limit)
+        for e in range(n_cols):
+            word, bit = divmod(e, 32)
+            keep = (0xFFFFFFFF >> min(keep_shift(visible, word), 32)) >> bit & 1
+            assert bool(keep) == (acc_column(e) < limit), (limit, e, visible)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fwd_mask_bitmask_knob(tmp_path, d):
+    """Sm90FwdTiles.mask_bitmask (causal; off, not yet run on the H200): the
+    diagonal blocks' mask compiles to R2P predicate moves (none without it), the
+    masked step (the first S-ready wait's) is shorter, no spill, as many HGMMAs."""
+    assert not any(fwd_tiles(dd, dd, True).mask_bitmask for dd in (64, 128, 256))
+    got = {}
+    for on in (False, True):
+        _, sass = _knob_sass(tmp_path, f"bits_{on}", d, True, mask_bitmask=on)
+        ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+        starts = [i for i, x in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in x]
+        end = next(i for i in range(starts[0], len(ins)) if ins[i].startswith("HGMMA"))
+        got[on] = (sass.count("R2P "), end - starts[0], sass.count("HGMMA"))
+    assert got[False][0] == 0 and got[True][0] > 0, got
+    assert got[True][1] < got[False][1] and got[True][2] == got[False][2], got

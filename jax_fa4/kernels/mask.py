@@ -7,14 +7,64 @@ The column of every accumulator element is ``thread offset + a compile-time
 column of thread 0`` (a wgmma accumulator gives each thread the same pattern,
 shifted). Comparing the compile-time column against a per-thread limit keeps
 the inner loop to one compare and one select per element.
+
+With ``bitmask`` the causal mask of a row instead counts the row's visible
+elements once, turns that count into a 32-bit mask (bit e set: element e kept),
+and selects each element on its bit; ptxas moves such bits into predicates seven
+at a time (R2P), so a row takes a few integer instructions and one select per
+element instead of a compare and a select per element (FA4's sm90 masking).
 """
 
 from __future__ import annotations
 
 import cutlass
-from cutlass import Float32, Int32, cute
+from cutlass import Float32, Int32, Uint32, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jax_fa4.kernels.softmax import acc_mn_view
+
+# Bits per mask word.
+_WORD = 32
+
+
+def acc_column(e: int) -> int:
+    """Column of a thread's element e of one accumulator row, relative to the thread's
+    first: an sm90 wgmma accumulator gives each thread column pairs 8 apart."""
+    return 8 * (e // 2) + e % 2
+
+
+def visible_elements(limit, maximum=max, minimum=min):
+    """How many of a thread's elements of one row have column (``acc_column``) < limit;
+    they are a prefix, since the columns grow with e. For plain ints (tests) and DSL
+    integers alike."""
+    lim = maximum(limit, 0)
+    return lim // 8 * 2 + minimum(lim % 8, 2)
+
+
+def keep_shift(visible, word: int, maximum=max):
+    """The right shift of 0xFFFFFFFF that leaves the keep bits of 32-element word
+    ``word`` of a row with ``visible`` visible elements: 32 (word + 1) - visible,
+    at least 0. Shifts of 32 and more mean no bit (``_shr_b32`` clamps them, as
+    PTX does)."""
+    return maximum((word + 1) * _WORD - visible, 0)
+
+
+@dsl_user_op
+def _shr_b32(x: Uint32, n: Int32, *, loc=None, ip=None) -> Uint32:
+    """x >> n for 0 <= n, with PTX's clamping: n >= 32 gives 0 (LLVM's lshr would be
+    poison there)."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [Uint32(x).ir_value(loc=loc, ip=ip), Int32(n).ir_value(loc=loc, ip=ip)],
+            "shr.b32 $0, $1, $2;",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 class TileMask:
@@ -26,7 +76,9 @@ class TileMask:
     which rows and columns the thread holds).
     """
 
-    def __init__(self, tile_m: int, tile_n: int, seqlen_k: Int32, thr_mma, thr_mma_t0):
+    def __init__(self, tile_m: int, tile_n: int, seqlen_k: Int32, thr_mma, thr_mma_t0,
+                 bitmask: bool = False):
+        self.bitmask = bitmask
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.seqlen_k = seqlen_k
@@ -83,17 +135,43 @@ class TileMask:
         n_cols = cute.size(s_mn, mode=[1])
         neg_inf = -Float32.inf
         if cutlass.const_expr(mask_causal):
+            if cutlass.const_expr(self.bitmask):
+                self._check_columns(cols0)
             for r in cutlass.range_constexpr(n_rows):
                 row = self.t_coord[r, 0][0] + m_block * self.tile_m
                 # Key j is visible iff j <= row, i.e. local column < row + 1 - n0.
                 limit = row + 1 - n_block * self.tile_n - col_offset
                 if cutlass.const_expr(mask_seqlen):
                     limit = cutlass.min(limit, seqlen_limit)
-                for c in cutlass.range_constexpr(n_cols):
-                    # A select, not a branch: keeps the fragment in registers.
-                    s_mn[r, c] = Float32(cutlass.select_(cols0[c] >= limit, neg_inf, s_mn[r, c]))
+                if cutlass.const_expr(self.bitmask):
+                    self._select_by_bits(s_mn, r, n_cols, limit)
+                else:
+                    for c in cutlass.range_constexpr(n_cols):
+                        # A select, not a branch: keeps the fragment in registers.
+                        s_mn[r, c] = Float32(
+                            cutlass.select_(cols0[c] >= limit, neg_inf, s_mn[r, c]))
         elif cutlass.const_expr(mask_seqlen):
             for c in cutlass.range_constexpr(n_cols):
                 masked = cols0[c] >= seqlen_limit
                 for r in cutlass.range_constexpr(n_rows):
                     s_mn[r, c] = Float32(cutlass.select_(masked, neg_inf, s_mn[r, c]))
+
+    @staticmethod
+    def _check_columns(cols0: list) -> None:
+        """At trace time: the bitmask needs the sm90 accumulator's column pattern."""
+        if list(cols0) != [acc_column(e) for e in range(len(cols0))]:
+            raise ValueError("TileMask(bitmask=True) needs the sm90 accumulator's columns "
+                             f"(pairs 8 apart), got {list(cols0)}")
+
+    @cute.jit
+    def _select_by_bits(self, s_mn, r: cutlass.Constexpr[int], n_cols: cutlass.Constexpr[int],
+                        limit: Int32):
+        """Row r of s_mn: elements at or past ``visible_elements(limit)`` become -inf,
+        one 32-bit keep mask per 32 elements."""
+        visible = visible_elements(limit, maximum=cutlass.max, minimum=cutlass.min)
+        for w in cutlass.range_constexpr((n_cols + _WORD - 1) // _WORD):
+            keep = _shr_b32(Uint32(0xFFFFFFFF), keep_shift(visible, w, maximum=cutlass.max))
+            for i in cutlass.range_constexpr(min(_WORD, n_cols - w * _WORD)):
+                c = w * _WORD + i
+                kept = (keep & Uint32(1 << i)) != Uint32(0)
+                s_mn[r, c] = Float32(cutlass.select_(kept, s_mn[r, c], -Float32.inf))

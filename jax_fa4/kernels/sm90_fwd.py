@@ -207,6 +207,10 @@ class Sm90FwdTiles:
     # loop header]). In the table at hdim 64 and 128; at hdim 256 it measured
     # 0.994x / 1.002x (non-causal / causal, fifteenth session) and stays off.
     pin_p: bool = False
+    # Causal: mask the diagonal blocks through one 32-bit keep mask per row
+    # (``TileMask(bitmask=True)``, FA4's R2P masking) instead of a compare per
+    # element. Off: compiled and checked on the CPU only (fifteenth session).
+    mask_bitmask: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -1099,7 +1103,8 @@ class FlashFwdSm90:
                                 short_chain=self.tiles.short_softmax_chain,
                                 sw_exp2_per_32=self.tiles.sw_exp2_per_32)
         softmax.reset()
-        mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0))
+        mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0),
+                        bitmask=self.tiles.mask_bitmask)
 
         # Warpgroup 1 takes the first GEMM turn. (A compile-time and a run-time
         # test cannot share one `if` in the DSL.)
