@@ -132,7 +132,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "ssc": ("short_softmax_chain", True), "nossc": ("short_softmax_chain", False),
          "split": ("split_tail", True), "nosplit": ("split_tail", False),
          "pinp": ("pin_p", True), "nopinp": ("pin_p", False),
-         "bits": ("mask_bitmask", True), "nobits": ("mask_bitmask", False)}
+         "bits": ("mask_bitmask", True), "nobits": ("mask_bitmask", False),
+         "qfm": ("quad_fmax", True), "noqfm": ("quad_fmax", False)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -267,6 +268,7 @@ def main() -> int:
         "software), split / nosplit (non-causal: the grid's last round split along the keys), "
         "pinp / nopinp (P's conversions kept in the step or folded into the loop header), "
         "bits / nobits (causal: diagonal blocks masked by a keep bitmask per row), "
+        "qfm / noqfm (the row max's quad shuffles with fmax or NaN-propagating), "
         "joined with +",
     )
     ap.add_argument(

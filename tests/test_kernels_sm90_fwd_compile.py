@@ -602,3 +602,17 @@ def test_fwd_mask_bitmask_knob(tmp_path, d):
         got[on] = (sass.count("R2P "), end - starts[0], sass.count("HGMMA"))
     assert got[False][0] == 0 and got[True][0] > 0, got
     assert got[True][1] < got[False][1] and got[True][2] == got[False][2], got
+
+
+def test_fwd_quad_fmax_knob(tmp_path):
+    """Sm90FwdTiles.quad_fmax (off, not yet run on the H200): the row max's quad
+    shuffles reduce with FMNMX, so the step loses the NaN-propagating compares
+    (FSETP.NAN) and is shorter, with no spill and as many HGMMAs."""
+    assert not any(fwd_tiles(d, d, c).quad_fmax for d in (64, 128, 256) for c in (False, True))
+    got = {}
+    for on in (False, True):
+        sass, step = _fwd_step(tmp_path, f"qfm_{on}", quad_fmax=on)
+        got[on] = (sum(x.startswith("FSETP.NAN") for x in step), len(step),
+                   sass.count("HGMMA"))
+    assert got[False][0] >= 2 and got[True][0] == 0, got
+    assert got[True][1] < got[False][1] and got[True][2] == got[False][2], got

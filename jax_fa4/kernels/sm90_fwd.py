@@ -211,6 +211,10 @@ class Sm90FwdTiles:
     # (``TileMask(bitmask=True)``, FA4's R2P masking) instead of a compare per
     # element. Off: compiled and checked on the CPU only (fifteenth session).
     mask_bitmask: bool = False
+    # The row max's quad shuffles with fmax (``OnlineSoftmax(quad_fmax=True)``), 8
+    # instructions fewer between the S-ready wait and the first exp2 at hdim 128.
+    # Off: compiled and checked on the CPU only (fifteenth session).
+    quad_fmax: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -1101,7 +1105,8 @@ class FlashFwdSm90:
 
         softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]),
                                 short_chain=self.tiles.short_softmax_chain,
-                                sw_exp2_per_32=self.tiles.sw_exp2_per_32)
+                                sw_exp2_per_32=self.tiles.sw_exp2_per_32,
+                                quad_fmax=self.tiles.quad_fmax)
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0),
                         bitmask=self.tiles.mask_bitmask)

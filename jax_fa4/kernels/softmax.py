@@ -99,6 +99,7 @@ class OnlineSoftmax:
         rescale_threshold: float = RESCALE_THRESHOLD,
         short_chain: bool = False,
         sw_exp2_per_32: int = 0,
+        quad_fmax: bool = False,
     ):
         if short_chain and not scale_log2 > 0:
             raise ValueError(f"the short max chain needs a positive scale, got {scale_log2}")
@@ -108,6 +109,11 @@ class OnlineSoftmax:
         # Of every 32 columns of a row, this many (evenly spread) take P's exp2 from
         # the polynomial (exp2_poly) instead of MUFU (Note [Software exp2]).
         self.sw_exp2_per_32 = sw_exp2_per_32
+        # The row max's quad shuffles with fmax (FMNMX), as the thread's own columns
+        # already are, instead of the NaN-propagating reduction (an FSETP.NAN,
+        # FSETP.GTU and FSEL per shuffle step). A NaN score still makes its own P,
+        # and so the row, NaN.
+        self.quad_fmax = quad_fmax
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -148,7 +154,10 @@ class OnlineSoftmax:
             row = s_mn[r, None].load()
             blk_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             # The 4 threads of a quad hold the 4 column slices of the row.
-            blk_max = cute.arch.warp_reduction_max(blk_max, threads_in_group=4)
+            if cutlass.const_expr(self.quad_fmax):
+                blk_max = cute.arch.warp_reduction(blk_max, cute.arch.fmax, threads_in_group=4)
+            else:
+                blk_max = cute.arch.warp_reduction_max(blk_max, threads_in_group=4)
             if cutlass.const_expr(is_first):
                 ref = blk_max
                 row_scale[r] = Float32(1.0)
