@@ -21,13 +21,15 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 python -c "import jax, cutlass; print('jax', jax.__version__, 'cutlass-dsl', cutlass.__version__ if hasattr(cutlass,'__version__') else '?', jax.devices())"
 summary=""
 # pytest-xdist, when carried (scripts/pack_test_tools.sh), runs the GPU tests in
-# TEST_WORKERS processes; each test's time is mostly compiling.
+# TEST_WORKERS processes; each test's time is mostly compiling (host CPU bound: 16
+# cores). With 4 workers the 183 tests took longer than one 600 s call (sixteenth
+# session); 6 is the default since (not yet timed).
 if [[ -f .device/testtools.tar.xz && ! -f /opt/jax_fa4_site/.testtools.done ]]; then
   python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
     .device/testtools.tar.xz /opt/jax_fa4_site && touch /opt/jax_fa4_site/.testtools.done
 fi
 workers=()
-python -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
+python -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-6}")
 if [[ $what == tests || $what == all ]]; then
   timeout "${TEST_TIMEOUT:-900}" python -m pytest -m gpu -q -ra -p no:cacheprovider "${workers[@]}" "$@" 2>&1 \
     | tee "$out/gpu_tests.log" | tail -25

@@ -268,9 +268,10 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     "sw_exp2_causal": (True, {"sw_exp2_per_32": 8}),
     # Diagonal blocks masked through a keep bitmask per row (TileMask(bitmask=True)).
     "bitmask": (True, {"mask_bitmask": True}),
-    # The row max's quad shuffles with fmax (OnlineSoftmax(quad_fmax=True)).
-    "quad_fmax": (False, {"quad_fmax": True}),
-    "quad_fmax_causal": (True, {"quad_fmax": True}),
+    # The row max's quad shuffles NaN-propagating (quad_fmax=False), as before the
+    # table took quad_fmax.
+    "nan_quad_max": (False, {"quad_fmax": False}),
+    "nan_quad_max_causal": (True, {"quad_fmax": False}),
 }
 
 
@@ -290,7 +291,8 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("bitmask", (1, 1, 1, 1, 1), 128), ("bitmask", (2, 1000, 999, 8, 2), 128),
     ("bitmask", (2, 2000, 1999, 6, 2), 64), ("bitmask", (1, 300, 200, 2, 1), 256),
     ("bitmask", (2, 203, 1113, 4, 4), 128),
-    ("quad_fmax", (2, 1000, 999, 8, 2), 128), ("quad_fmax_causal", (2, 2000, 1999, 6, 2), 64),
+    ("nan_quad_max", (2, 1000, 999, 8, 2), 128),
+    ("nan_quad_max_causal", (2, 2000, 1999, 6, 2), 64),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -305,9 +307,9 @@ def test_forward_tile_order_knobs(knob, shape, d):
     (hdim 256, not yet run): persistent CTAs whose O leaves through the Q buffer,
     384 tiles, so the next tile's Q must wait for the O store. sw_exp2: every
     fourth exp2 of P from the polynomial, both masks, hdim 64 / 128 / 256. bitmask
-    (causal, not yet run when added): the diagonal blocks masked by a 32-bit keep
-    mask per row, at 64 / 128 / 256 (20 elements a row), Sk below, at and above Sq.
-    quad_fmax (not yet run when added): the row max's quad shuffles with fmax."""
+    (causal): the diagonal blocks masked by a 32-bit keep mask per row, at 64 / 128
+    / 256 (20 elements a row), Sk below, at and above Sq. nan_quad_max: the row
+    max's quad shuffles NaN-propagating (the table uses fmax, quad_fmax)."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90

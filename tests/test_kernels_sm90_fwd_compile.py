@@ -533,9 +533,10 @@ def test_fwd_short_softmax_chain_knob(tmp_path):
     for causal in (False, True):
         got = {}
         for on in (False, True):
-            # Without pin_p (the knob was timed without it, thirteenth session).
+            # Without pin_p and quad_fmax (the knob was timed without them,
+            # thirteenth session).
             sass, step = _fwd_step(tmp_path, f"ssc_{causal}_{on}", causal,
-                                   short_softmax_chain=on, pin_p=False)
+                                   short_softmax_chain=on, pin_p=False, quad_fmax=False)
             last_shfl = max(i for i, x in enumerate(step[:200]) if x.startswith("SHFL.BFLY"))
             first_ffma = next(i for i, x in enumerate(step)
                               if i > last_shfl and x.startswith("FFMA"))
@@ -605,10 +606,11 @@ def test_fwd_mask_bitmask_knob(tmp_path, d):
 
 
 def test_fwd_quad_fmax_knob(tmp_path):
-    """Sm90FwdTiles.quad_fmax (off, not yet run on the H200): the row max's quad
-    shuffles reduce with FMNMX, so the step loses the NaN-propagating compares
-    (FSETP.NAN) and is shorter, with no spill and as many HGMMAs."""
-    assert not any(fwd_tiles(d, d, c).quad_fmax for d in (64, 128, 256) for c in (False, True))
+    """Sm90FwdTiles.quad_fmax (the table's at every head dim since the sixteenth
+    session): the row max's quad shuffles reduce with FMNMX, so the step loses the
+    NaN-propagating compares (FSETP.NAN) and is shorter, with no spill and as many
+    HGMMAs."""
+    assert all(fwd_tiles(d, d, c).quad_fmax for d in (64, 128, 256) for c in (False, True))
     got = {}
     for on in (False, True):
         sass, step = _fwd_step(tmp_path, f"qfm_{on}", quad_fmax=on)
