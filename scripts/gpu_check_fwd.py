@@ -133,7 +133,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "split": ("split_tail", True), "nosplit": ("split_tail", False),
          "pinp": ("pin_p", True), "nopinp": ("pin_p", False),
          "bits": ("mask_bitmask", True), "nobits": ("mask_bitmask", False),
-         "qfm": ("quad_fmax", True), "noqfm": ("quad_fmax", False)}
+         "qfm": ("quad_fmax", True), "noqfm": ("quad_fmax", False),
+         "rfm": ("row_fmax", True), "norfm": ("row_fmax", False)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -269,6 +270,7 @@ def main() -> int:
         "pinp / nopinp (P's conversions kept in the step or folded into the loop header), "
         "bits / nobits (causal: diagonal blocks masked by a keep bitmask per row), "
         "qfm / noqfm (the row max's quad shuffles with fmax or NaN-propagating), "
+        "rfm / norfm (the thread's columns max-reduced with fmax in four chains or not), "
         "joined with +",
     )
     ap.add_argument(

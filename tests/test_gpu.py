@@ -272,6 +272,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     # table took quad_fmax.
     "nan_quad_max": (False, {"quad_fmax": False}),
     "nan_quad_max_causal": (True, {"quad_fmax": False}),
+    # The thread's columns max-reduced with fmax in four chains (row_fmax).
+    "row_fmax": (False, {"row_fmax": True}),
+    "row_fmax_causal": (True, {"row_fmax": True}),
 }
 
 
@@ -293,6 +296,8 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("bitmask", (2, 203, 1113, 4, 4), 128),
     ("nan_quad_max", (2, 1000, 999, 8, 2), 128),
     ("nan_quad_max_causal", (2, 2000, 1999, 6, 2), 64),
+    ("row_fmax", (2, 1000, 999, 8, 2), 128), ("row_fmax_causal", (2, 2000, 1999, 6, 2), 64),
+    ("row_fmax_causal", (1, 300, 200, 2, 1), 256),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -309,7 +314,9 @@ def test_forward_tile_order_knobs(knob, shape, d):
     fourth exp2 of P from the polynomial, both masks, hdim 64 / 128 / 256. bitmask
     (causal): the diagonal blocks masked by a 32-bit keep mask per row, at 64 / 128
     / 256 (20 elements a row), Sk below, at and above Sq. nan_quad_max: the row
-    max's quad shuffles NaN-propagating (the table uses fmax, quad_fmax)."""
+    max's quad shuffles NaN-propagating (the table uses fmax, quad_fmax). row_fmax
+    (not yet run when added): the thread's columns max-reduced with fmax in four
+    chains, the old max folded in before the shuffles; hdim 64 / 128 / 256."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90

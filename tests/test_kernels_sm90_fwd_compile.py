@@ -618,3 +618,21 @@ def test_fwd_quad_fmax_knob(tmp_path):
                    sass.count("HGMMA"))
     assert got[False][0] >= 2 and got[True][0] == 0, got
     assert got[True][1] < got[False][1] and got[True][2] == got[False][2], got
+
+
+@pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
+def test_fwd_row_fmax_knob(tmp_path, d, causal):
+    """Sm90FwdTiles.row_fmax (off, not yet run on the H200): the thread's columns of
+    a row reduce with FMNMX in four chains instead of TensorSSA.reduce's FMNMX.NAN,
+    so the kernel has no FMNMX.NAN left; the step is no longer, with no spill and as
+    many HGMMAs."""
+    assert not any(fwd_tiles(dd, dd, c).row_fmax for dd in (64, 128, 256) for c in (False, True))
+    got = {}
+    for on in (False, True):
+        _, sass = _knob_sass(tmp_path, f"rfm_{d}_{causal}_{on}", d, causal, row_fmax=on)
+        ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+        start = max(i for i, x in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in x)
+        end = next(i for i in range(start + 100, len(ins)) if ins[i].startswith("HGMMA"))
+        got[on] = (sass.count("FMNMX.NAN"), end - start, sass.count("HGMMA"))
+    assert got[False][0] > 0 and got[True][0] == 0, got
+    assert got[True][1] <= got[False][1] and got[True][2] == got[False][2], got

@@ -218,6 +218,12 @@ class Sm90FwdTiles:
     # 16k causal 1.007 / 1.008; hdim 64 / 256 level (1.003-1.008); hdim 128 1k
     # 0.999 causal, 0.987 non-causal.
     quad_fmax: bool = False
+    # The thread's own columns of a row max-reduced with fmax (FMNMX) in four
+    # chains, the old max folded in before the shuffles (``OnlineSoftmax(row_fmax=
+    # True)``; flash-attn-4's order), instead of the NaN-propagating FMNMX.NAN
+    # chain of ``TensorSSA.reduce``. Off: compiled and checked on the CPU only
+    # (sixteenth session).
+    row_fmax: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -1111,7 +1117,8 @@ class FlashFwdSm90:
         softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]),
                                 short_chain=self.tiles.short_softmax_chain,
                                 sw_exp2_per_32=self.tiles.sw_exp2_per_32,
-                                quad_fmax=self.tiles.quad_fmax)
+                                quad_fmax=self.tiles.quad_fmax,
+                                row_fmax=self.tiles.row_fmax)
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0),
                         bitmask=self.tiles.mask_bitmask)

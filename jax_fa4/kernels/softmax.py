@@ -100,6 +100,7 @@ class OnlineSoftmax:
         short_chain: bool = False,
         sw_exp2_per_32: int = 0,
         quad_fmax: bool = False,
+        row_fmax: bool = False,
     ):
         if short_chain and not scale_log2 > 0:
             raise ValueError(f"the short max chain needs a positive scale, got {scale_log2}")
@@ -109,11 +110,15 @@ class OnlineSoftmax:
         # Of every 32 columns of a row, this many (evenly spread) take P's exp2 from
         # the polynomial (exp2_poly) instead of MUFU (Note [Software exp2]).
         self.sw_exp2_per_32 = sw_exp2_per_32
-        # The row max's quad shuffles with fmax (FMNMX), as the thread's own columns
-        # already are, instead of the NaN-propagating reduction (an FSETP.NAN,
-        # FSETP.GTU and FSEL per shuffle step). A NaN score still makes its own P,
-        # and so the row, NaN.
+        # The row max's quad shuffles with fmax (FMNMX) instead of the
+        # NaN-propagating reduction (an FSETP.NAN, FSETP.GTU and FSEL per shuffle
+        # step). A NaN score still makes its own P, and so the row, NaN.
         self.quad_fmax = quad_fmax
+        # The thread's own columns of a row reduced with fmax (FMNMX) in four
+        # independent chains, the old max folded in before the quad shuffles,
+        # instead of ``TensorSSA.reduce`` (FMNMX.NAN, one chain per row). Same NaN
+        # behaviour as quad_fmax.
+        self.row_fmax = row_fmax
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -152,7 +157,11 @@ class OnlineSoftmax:
         c = self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
             row = s_mn[r, None].load()
-            blk_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            if cutlass.const_expr(self.row_fmax):
+                # Includes the old max (so blk_max is the new candidate).
+                blk_max = self._thread_fmax(s_mn[r, None], r, is_first)
+            else:
+                blk_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             # The 4 threads of a quad hold the 4 column slices of the row.
             if cutlass.const_expr(self.quad_fmax):
                 blk_max = cute.arch.warp_reduction(blk_max, cute.arch.fmax, threads_in_group=4)
@@ -163,7 +172,9 @@ class OnlineSoftmax:
                 row_scale[r] = Float32(1.0)
             else:
                 old = self.row_max[r]
-                cand = cute.arch.fmax(old, blk_max)
+                cand = blk_max
+                if cutlass.const_expr(not self.row_fmax):
+                    cand = cute.arch.fmax(old, blk_max)
                 # NaN (both -inf) compares false and takes cand, which is -inf too.
                 keep = (cand - old) * c <= self.rescale_threshold
                 ref = old if keep else cand
@@ -185,6 +196,22 @@ class OnlineSoftmax:
                 self.row_sum[r] = self.row_sum[r] * row_scale[r] + blk_sum
             s_mn[r, None].store(p)
         return row_scale
+
+    @cute.jit
+    def _thread_fmax(self, row: cute.Tensor, r: cutlass.Constexpr[int],
+                     is_first: cutlass.Constexpr[bool]) -> Float32:
+        """Max of this thread's columns of row r (and, after the first block, of the
+        running max), in four independent fmax chains (``row_fmax``)."""
+        n = cute.size(row)
+        assert n >= 4, n
+        chains = [row[i] for i in range(4)]
+        for i in cutlass.range_constexpr(4, n):
+            chains[i % 4] = cute.arch.fmax(chains[i % 4], row[i])
+        m = cute.arch.fmax(cute.arch.fmax(chains[0], chains[1]),
+                           cute.arch.fmax(chains[2], chains[3]))
+        if cutlass.const_expr(not is_first):
+            m = cute.arch.fmax(m, self.row_max[r])
+        return m
 
     @cute.jit
     def _exp2_mixed(self, row: cute.Tensor, neg_ref_scaled: Float32):
