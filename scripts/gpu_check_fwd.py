@@ -134,7 +134,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "pinp": ("pin_p", True), "nopinp": ("pin_p", False),
          "bits": ("mask_bitmask", True), "nobits": ("mask_bitmask", False),
          "qfm": ("quad_fmax", True), "noqfm": ("quad_fmax", False),
-         "rfm": ("row_fmax", True), "norfm": ("row_fmax", False)}
+         "rfm": ("row_fmax", True), "norfm": ("row_fmax", False),
+         "qreg": ("q_in_regs", True), "noqreg": ("q_in_regs", False)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -271,6 +272,7 @@ def main() -> int:
         "bits / nobits (causal: diagonal blocks masked by a keep bitmask per row), "
         "qfm / noqfm (the row max's quad shuffles with fmax or NaN-propagating), "
         "rfm / norfm (the thread's columns max-reduced with fmax in four chains or not), "
+        "qreg / noqreg (Q as the register operand of S = Q K^T, hdim 128), "
         "joined with +",
     )
     ap.add_argument(

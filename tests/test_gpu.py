@@ -275,6 +275,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     # The thread's columns max-reduced with fmax in four chains (row_fmax).
     "row_fmax": (False, {"row_fmax": True}),
     "row_fmax_causal": (True, {"row_fmax": True}),
+    # Q as the register operand of S = Q K^T (hdim 128).
+    "q_in_regs": (False, {"q_in_regs": True}),
+    "q_in_regs_causal": (True, {"q_in_regs": True}),
 }
 
 
@@ -298,6 +301,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("nan_quad_max_causal", (2, 2000, 1999, 6, 2), 64),
     ("row_fmax", (2, 1000, 999, 8, 2), 128), ("row_fmax_causal", (2, 2000, 1999, 6, 2), 64),
     ("row_fmax_causal", (1, 300, 200, 2, 1), 256),
+    ("q_in_regs", (1, 1, 1, 1, 1), 128), ("q_in_regs", (2, 1000, 999, 8, 2), 128),
+    ("q_in_regs", (2, 2000, 2000, 8, 2), 128), ("q_in_regs_causal", (2, 113, 203, 4, 4), 128),
+    ("q_in_regs_causal", (3, 3000, 3000, 8, 2), 128),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -316,7 +322,10 @@ def test_forward_tile_order_knobs(knob, shape, d):
     / 256 (20 elements a row), Sk below, at and above Sq. nan_quad_max: the row
     max's quad shuffles NaN-propagating (the table uses fmax, quad_fmax). row_fmax
     (not yet run when added): the thread's columns max-reduced with fmax in four
-    chains, the old max folded in before the shuffles; hdim 64 / 128 / 256."""
+    chains, the old max folded in before the shuffles; hdim 64 / 128 / 256.
+    q_in_regs (hdim 128, not yet run when added): Q loaded into registers once per
+    tile (ldmatrix) as the A operand of S = Q K^T, the Q buffer released at once;
+    one tile, fewer and more tiles than SMs, both masks."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90

@@ -636,3 +636,31 @@ def test_fwd_row_fmax_knob(tmp_path, d, causal):
         got[on] = (sass.count("FMNMX.NAN"), end - start, sass.count("HGMMA"))
     assert got[False][0] > 0 and got[True][0] == 0, got
     assert got[True][1] <= got[False][1] and got[True][2] == got[False][2], got
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_q_in_regs_knob(tmp_path, causal):
+    """Sm90FwdTiles.q_in_regs (off, not yet run on the H200), hdim 128: every
+    S = Q K^T HGMMA takes Q from registers (the only SMEM descriptor is K's), loaded
+    by 8 LDSM.x4 (64 x 128 bf16 per warpgroup, 32 registers a thread); as many
+    HGMMAs, no spill. Refused where it would not fit."""
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90
+
+    assert not any(fwd_tiles(d, d, c).q_in_regs for d in (64, 128, 256) for c in (False, True))
+    got = {}
+    for on in (False, True):
+        _, sass = _knob_sass(tmp_path, f"qreg_{causal}_{on}", 128, causal, q_in_regs=on)
+        hgmma = re.findall(r"HGMMA\.64x128x16\.F32\.BF16 ([^;]*);", sass)
+        got[on] = (sum(h.split(", ")[1].startswith("gdesc") for h in hgmma),
+                   sum(h.split(", ")[1].startswith("R") for h in hgmma),
+                   len(hgmma), len(re.findall(r"LDSM\.16\.M88\.4 ", sass)))
+    # (HGMMAs with A from SMEM, A from registers, all, LDSM.x4)
+    assert got[False][0] > 0 and got[False][3] == 0, got
+    assert got[True][0] == 0 and got[True][1] == got[True][2] == got[False][2], got
+    assert got[True][3] == 8, got
+    import dataclasses
+
+    for d in (64, 256):
+        with pytest.raises(ValueError, match="q_in_regs"):
+            FlashFwdSm90(jnp.bfloat16, d, d, causal,
+                         tiles=dataclasses.replace(fwd_tiles(d, d, causal), q_in_regs=True))

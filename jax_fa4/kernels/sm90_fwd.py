@@ -224,6 +224,14 @@ class Sm90FwdTiles:
     # chain of ``TensorSSA.reduce``. Off: compiled and checked on the CPU only
     # (sixteenth session).
     row_fmax: bool = False
+    # Q as the register (A) operand of S = Q K^T: each consumer thread loads its
+    # part of the tile's Q from SMEM once (ldmatrix) after the Q wait, and every
+    # S wgmma reads K alone from SMEM (a fifth less operand traffic from SMEM per
+    # step at hdim 128); with its own O buffer the Q buffer is released at once,
+    # so the next tile's Q loads during this one. Costs D / 4 registers per thread
+    # (32 at hdim 128). Off: compiled and checked on the CPU only (sixteenth
+    # session).
+    q_in_regs: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -494,6 +502,11 @@ class FlashFwdSm90:
             raise ValueError("split_tail serves the persistent non-causal forward only")
         if t.lpt and not causal:
             raise ValueError("the LPT tile order serves the causal forward only")
+        if t.q_in_regs and not (head_dim <= 128 and t.consumer_regs >= 240):
+            # hdim 64's 160-register consumers spill with it; at 256 Q alone would
+            # take 128 registers per thread.
+            raise ValueError("q_in_regs serves head dims up to 128 with 240-register "
+                             f"consumers, got head dim {head_dim}, {t.consumer_regs}")
         logger.debug(
             "FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s",
             self.dtype,
@@ -551,6 +564,8 @@ class FlashFwdSm90:
             Float32,
             atom_layout_mnk=atom_layout,
             tiler_mn=(64, tn),
+            a_source=(warpgroup.OperandSource.RMEM if self.tiles.q_in_regs
+                      else warpgroup.OperandSource.SMEM),
         )
         # B = V^T (dv, n) is MN-major in SMEM (V rows are dv-contiguous).
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
@@ -1103,7 +1118,11 @@ class FlashFwdSm90:
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
 
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        if cutlass.const_expr(self.tiles.q_in_regs):
+            tSrQ = wg_mma_qk.make_fragment_A(
+                wg_mma_qk.partition_shape_A((self.tile_m, self.head_dim)))
+        else:
+            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         sVt = transpose_smem(sV)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
@@ -1132,6 +1151,15 @@ class FlashFwdSm90:
                 )
 
         pipe_q.consumer_wait(q_state)
+        if cutlass.const_expr(self.tiles.q_in_regs):
+            load_q = cute.make_copy_atom(
+                cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            thr_load_q = cute.make_tiled_copy_A(load_q, tiled_mma_qk).get_slice(tidx)
+            cute.copy(load_q, thr_load_q.partition_S(sQ), thr_load_q.retile(tSrQ))
+            if cutlass.const_expr(self.own_o):
+                # Q lives in registers now: the next tile's Q may load.
+                self._release(pipe_q, q_state)
+                q_state.advance()
 
         # Blocks [n_causal, n_block_max) touch the diagonal; the first block
         # processed (the last one) also carries the seqlen_k tail.
@@ -1197,7 +1225,7 @@ class FlashFwdSm90:
                 for i in cutlass.range(rest, unroll=1):
                     state = self._overlapped_step(state, n_causal - 1 - i, *step_args,
                                                   mask_causal=False)
-            if cutlass.const_expr(self.own_o):
+            if cutlass.const_expr(self.own_o and not self.tiles.q_in_regs):
                 # Every S = Q K^T of this tile is done: the next tile's Q may load.
                 self._release(pipe_q, q_state)
                 q_state.advance()
@@ -1222,7 +1250,7 @@ class FlashFwdSm90:
                 state = self._serial_step(state, n_causal - 1 - i, *step_args,
                                           mask_seqlen=False, mask_causal=False)
 
-            if cutlass.const_expr(self.own_o):
+            if cutlass.const_expr(self.own_o and not self.tiles.q_in_regs):
                 self._release(pipe_q, q_state)
                 q_state.advance()
 
