@@ -236,16 +236,9 @@ class OnlineSoftmax:
         c = self.scale_log2
         for r in cutlass.range_constexpr(self.num_rows):
             row = s_mn[r, None]
-            n = cute.size(row)
-            # Four independent fmax chains over the thread's columns, the old max
-            # folded into the first, then across the quad.
-            chains = [row[i] for i in range(4)]
-            if cutlass.const_expr(not is_first):
-                chains[0] = cute.arch.fmax(chains[0], self.row_max[r])
-            for i in cutlass.range_constexpr(4, n):
-                chains[i % 4] = cute.arch.fmax(chains[i % 4], row[i])
-            cand = cute.arch.fmax(cute.arch.fmax(chains[0], chains[1]),
-                                  cute.arch.fmax(chains[2], chains[3]))
+            # Four independent fmax chains over the thread's columns and the old
+            # max, then across the quad.
+            cand = self._thread_fmax(row, r, is_first)
             for offset in (2, 1):
                 cand = cute.arch.fmax(cand, cute.arch.shuffle_sync_bfly(cand, offset=offset))
             cand_safe = Float32(0.0) if cand == -Float32.inf else cand
