@@ -15,7 +15,8 @@ GHz (work per clock cycle, which a clock difference does not change).
 
 --variants adds jax_fa4 forward kernels with other tiles (gpu_check_fwd's --tiles
 knobs), called alone (gpu_check_fwd.fwd_call), forward only; a variant that does not
-serve a case's mask (lpt: causal only) is left out of that case.
+serve a case's mask (lpt: causal only) or head dim (q_in_regs: up to 128) is left
+out of that case.
 
 --batch / --heads replace the benchmark's shape (16k tokens, hidden 2048). With few
 tiles (e.g. --batch 1 --heads 1 at 8k: 64 tiles, one per SM for 64 of the 132 SMs)
@@ -183,7 +184,12 @@ def main():
                 tiles = resolve(tile_variant(spec), d, causal)
                 if tiles is False:
                     continue
-                f = fwd_call(jnp.bfloat16, d, causal, (b, s, s, h, h), poison=False, tiles=tiles)
+                try:
+                    f = fwd_call(jnp.bfloat16, d, causal, (b, s, s, h, h), poison=False,
+                                 tiles=tiles)
+                except ValueError as e:  # a knob that does not serve this head dim
+                    print(f"  d{d} s{s}: variant {spec} left out: {e}", flush=True)
+                    continue
                 preps[spec] = Prepared(lambda f=f, a=(q, k, v): f(*a), None,
                                        jax.block_until_ready, {})
                 order.append((spec, "fwd"))

@@ -533,10 +533,11 @@ def test_fwd_short_softmax_chain_knob(tmp_path):
     for causal in (False, True):
         got = {}
         for on in (False, True):
-            # Without pin_p and quad_fmax (the knob was timed without them,
-            # thirteenth session).
+            # Without pin_p, quad_fmax and q_in_regs (the knob was first timed
+            # without them, thirteenth session).
             sass, step = _fwd_step(tmp_path, f"ssc_{causal}_{on}", causal,
-                                   short_softmax_chain=on, pin_p=False, quad_fmax=False)
+                                   short_softmax_chain=on, pin_p=False, quad_fmax=False,
+                                   q_in_regs=False)
             last_shfl = max(i for i, x in enumerate(step[:200]) if x.startswith("SHFL.BFLY"))
             first_ffma = next(i for i, x in enumerate(step)
                               if i > last_shfl and x.startswith("FFMA"))
@@ -590,10 +591,13 @@ def test_mask_keep_bits_match_the_column_compare(n_cols):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fwd_mask_bitmask_knob(tmp_path, d):
-    """Sm90FwdTiles.mask_bitmask (causal; off, not yet run on the H200): the
-    diagonal blocks' mask compiles to R2P predicate moves (none without it), the
-    masked step (the first S-ready wait's) is shorter, no spill, as many HGMMAs."""
-    assert not any(fwd_tiles(dd, dd, True).mask_bitmask for dd in (64, 128, 256))
+    """Sm90FwdTiles.mask_bitmask (causal; the table's at hdim 64 since the
+    seventeenth session, off at 128 / 256): the diagonal blocks' mask compiles to
+    R2P predicate moves (none without it), the masked step (the first S-ready
+    wait's) is shorter, no spill, as many HGMMAs."""
+    table = {(dd, c): fwd_tiles(dd, dd, c).mask_bitmask for dd in (64, 128, 256)
+             for c in (False, True)}
+    assert table == {(dd, c): dd == 64 and c for dd, c in table}, table
     got = {}
     for on in (False, True):
         _, sass = _knob_sass(tmp_path, f"bits_{on}", d, True, mask_bitmask=on)
@@ -622,10 +626,10 @@ def test_fwd_quad_fmax_knob(tmp_path):
 
 @pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
 def test_fwd_row_fmax_knob(tmp_path, d, causal):
-    """Sm90FwdTiles.row_fmax (off, not yet run on the H200): the thread's columns of
-    a row reduce with FMNMX in four chains instead of TensorSSA.reduce's FMNMX.NAN,
-    so the kernel has no FMNMX.NAN left; the step is no longer, with no spill and as
-    many HGMMAs."""
+    """Sm90FwdTiles.row_fmax (off: level on the H200, seventeenth session): the
+    thread's columns of a row reduce with FMNMX in four chains instead of
+    TensorSSA.reduce's FMNMX.NAN, so the kernel has no FMNMX.NAN left; the step is
+    no longer, with no spill and as many HGMMAs."""
     assert not any(fwd_tiles(dd, dd, c).row_fmax for dd in (64, 128, 256) for c in (False, True))
     got = {}
     for on in (False, True):
@@ -640,13 +644,17 @@ def test_fwd_row_fmax_knob(tmp_path, d, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_q_in_regs_knob(tmp_path, causal):
-    """Sm90FwdTiles.q_in_regs (off, not yet run on the H200), hdim 128: every
+    """Sm90FwdTiles.q_in_regs (the table's at hdim 128 non-causal since the
+    seventeenth session; off causal), hdim 128: every
     S = Q K^T HGMMA takes Q from registers (the only SMEM descriptor is K's), loaded
     by 8 LDSM.x4 (64 x 128 bf16 per warpgroup, 32 registers a thread); as many
     HGMMAs, no spill. Refused where it would not fit."""
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90
 
-    assert not any(fwd_tiles(d, d, c).q_in_regs for d in (64, 128, 256) for c in (False, True))
+    table = {(d, c): fwd_tiles(d, d, c).q_in_regs for d in (64, 128, 256)
+             for c in (False, True)}
+    assert table == {(d, c): d == 128 and not c for d, c in table}, table
+    assert not fwd_tiles(128, 64, False).q_in_regs  # D == Dv == 128 only
     got = {}
     for on in (False, True):
         _, sass = _knob_sass(tmp_path, f"qreg_{causal}_{on}", 128, causal, q_in_regs=on)

@@ -186,7 +186,9 @@ class Sm90FwdTiles:
     # The softmax's short max chain (Note [Short max chain]): plain fmax chains
     # with the old max folded in, and the keep test and reference offset
     # precomputed a block ahead. Off: 0.946x / 0.982x at hdim 64 8k (7 rounds),
-    # 1.008x at hdim 128 4k causal (7), 0.99x / 1.00x at 16k (single timings).
+    # 1.008x at hdim 128 4k causal (7), 0.99x / 1.00x at 16k (single timings);
+    # over the table with quad_fmax (seventeenth session) 0.987 / 0.989 at hdim
+    # 128 16k / 4k non-causal, 0.986 at 16k causal, 0.988 at hdim 64 8k causal.
     short_softmax_chain: bool = False
     # FA4's software exp2 (Note [Software exp2] in exp2.py): of every 32 columns
     # of a row, this many (evenly spread) take P's exp2 from the scalar
@@ -209,7 +211,9 @@ class Sm90FwdTiles:
     pin_p: bool = False
     # Causal: mask the diagonal blocks through one 32-bit keep mask per row
     # (``TileMask(bitmask=True)``, FA4's R2P masking) instead of a compare per
-    # element. Off: compiled and checked on the CPU only (fifteenth session).
+    # element. In the table at hdim 64 (x without it, hdim 64 8k causal: 1.007,
+    # 1.017 with quad_fmax, 1.014 over the table with quad_fmax; sixteenth and
+    # seventeenth sessions). Off at hdim 128 (1k causal 0.991, 16k causal 0.990).
     mask_bitmask: bool = False
     # The row max's quad shuffles with fmax (``OnlineSoftmax(quad_fmax=True)``), 8
     # instructions fewer between the S-ready wait and the first exp2 at hdim 128.
@@ -221,16 +225,19 @@ class Sm90FwdTiles:
     # The thread's own columns of a row max-reduced with fmax (FMNMX) in four
     # chains, the old max folded in before the shuffles (``OnlineSoftmax(row_fmax=
     # True)``; flash-attn-4's order), instead of the NaN-propagating FMNMX.NAN
-    # chain of ``TensorSSA.reduce``. Off: compiled and checked on the CPU only
-    # (sixteenth session).
+    # chain of ``TensorSSA.reduce``. Off: level on the H200 (seventeenth session,
+    # x the table: hdim 128 16k / 4k non-causal 1.002 / 1.002, 16k causal 0.999,
+    # hdim 64 8k causal 1.008; over q_in_regs 0.987 at 16k and 0.996 at 1k
+    # non-causal).
     row_fmax: bool = False
     # Q as the register (A) operand of S = Q K^T: each consumer thread loads its
     # part of the tile's Q from SMEM once (ldmatrix) after the Q wait, and every
     # S wgmma reads K alone from SMEM (a fifth less operand traffic from SMEM per
     # step at hdim 128); with its own O buffer the Q buffer is released at once,
     # so the next tile's Q loads during this one. Costs D / 4 registers per thread
-    # (32 at hdim 128). Off: compiled and checked on the CPU only (sixteenth
-    # session).
+    # (32 at hdim 128). In the table at hdim 128 non-causal (D == Dv == 128;
+    # seventeenth session, x without it: 1k 1.031, 4k 1.021, 16k 1.014 / 1.017);
+    # off for causal, where it measured level (1k 1.006, 4k 0.997, 16k 1.002).
     q_in_regs: bool = False
 
 
@@ -367,6 +374,11 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     439 / 597 / 605 and 494). Causal hdim 256 (one CTA per tile) in the LPT order:
     665 -> 747. A non-persistent grid in the LPT order measured 3-4% slower than
     per-head longest-first at hdim 128 and 3% faster at hdim 64.
+
+    Softmax and operand knobs (see the Sm90FwdTiles fields for the figures): P's
+    conversions pinned (pin_p) at hdim 64 / 128, the quad shuffles' plain fmax
+    (quad_fmax) everywhere, the keep-bitmask causal mask at hdim 64, and Q as the
+    register operand of S = Q K^T (q_in_regs) at hdim 128 non-causal.
     """
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -383,6 +395,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
             lpt=causal,
             pin_p=True,
             quad_fmax=True,
+            mask_bitmask=causal,
         )
     if d <= 128:
         tile_n = 128
@@ -408,6 +421,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         pin_pv_wait=causal and d > 128,
         pin_p=d <= 128,
         quad_fmax=True,
+        q_in_regs=not causal and head_dim == head_dim_v == 128,
     )
 
 
