@@ -11,7 +11,11 @@ whole phase, the mean clock and power over the phase's middle 80%, and TFLOP/s p
 GHz (work per clock cycle, which a clock difference does not change).
 
     python scripts/clock_probe.py [--cases 64:8192:1,128:16384:0] [--rounds 3]
-        [--seconds 1.5] [--dirs fwd,bwd] [--variants st3,oq+st3] [--no-fa4] [--peers cudnn]
+        [--seconds 1.5] [--dirs fwd,bwd] [--variants st3,oq+st3] [--bwd-variants default,shfl]
+        [--no-fa4] [--peers cudnn]
+
+--bwd-variants adds backward main kernels alone (gpu_check_bwd's variants: default
+for the table's, e.g. shfl), compared with bwd:default.
 
 --variants adds jax_fa4 forward kernels with other tiles (gpu_check_fwd's --tiles
 knobs), called alone (gpu_check_fwd.fwd_call), forward only; a variant that does not
@@ -119,6 +123,30 @@ def graph_replay(fwd, n: int):
     return replay
 
 
+def bwd_main_call(d: int, causal: bool, bsh: tuple[int, int, int], spec: str):
+    """A zero-argument call of gpu_check_bwd's backward main kernel variant ``spec``
+    (its table's kernel for "default") on random bf16 (B, S, H, d) inputs and random
+    statistics, dQaccum zeroed per call; None where no sm90 main kernel serves d
+    (hdim 256 has its own)."""
+    from gpu_check_bwd import kernel_call, pad_stats, q_tile_pad
+
+    from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded
+
+    if d not in (64, 128):
+        return None
+    b, s, h = bsh
+    kcall = kernel_call(jnp.bfloat16, d, causal, d ** -0.5, spec)
+    ks = jax.random.split(jax.random.PRNGKey(11), 6)
+    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+                   for kk in ks[:4])
+    pad_tile = q_tile_pad(d, causal, spec)
+    dpsum, lse = pad_stats(jax.random.normal(ks[4], (b, h, s), jnp.float32),
+                           jax.random.normal(ks[5], (b, h, s), jnp.float32) + 10.0, pad_tile)
+    shape = (b, h, seqlen_q_padded(s, pad_tile), d)
+    main = jax.jit(lambda *a: kcall(*a, jnp.zeros(shape, jnp.float32)))
+    return lambda: main(q, k, v, do, lse, dpsum)
+
+
 def run_phase(call, sync, seconds: float):
     """Back-to-back calls for about `seconds`; (host start, host end, calls)."""
     out = call()
@@ -143,6 +171,9 @@ def main():
     ap.add_argument("--dirs", default="fwd")
     ap.add_argument("--interval-ms", type=int, default=20)
     ap.add_argument("--variants", default="", help="jax_fa4 forward tile variants")
+    ap.add_argument("--bwd-variants", default="",
+                    help="jax_fa4 backward main-kernel variants (gpu_check_bwd's, e.g. "
+                         "default,shfl): the main kernel alone, as bwd:<variant>")
     ap.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out")
     ap.add_argument("--peers", default="", help="JAX peers too (bench_attention's: cudnn, xla)")
     ap.add_argument("--csv", default="", help="also write every phase to this CSV file")
@@ -193,6 +224,14 @@ def main():
                 preps[spec] = Prepared(lambda f=f, a=(q, k, v): f(*a), None,
                                        jax.block_until_ready, {})
                 order.append((spec, "fwd"))
+            for spec in filter(None, args.bwd_variants.split(",")):
+                call = bwd_main_call(d, causal, (b, s, h), spec)
+                if call is None:
+                    print(f"  d{d} s{s}: backward variant {spec} left out (no sm90 main "
+                          "kernel of that head dim)", flush=True)
+                    continue
+                preps[f"bwd:{spec}"] = Prepared(None, call, jax.block_until_ready, {})
+                order.append((f"bwd:{spec}", "bwd"))
             case = f"d{d} s{s} {'c' if causal else 'nc'}"
             if args.batch or args.heads:
                 case += f" b{b} h{h}"
@@ -238,12 +277,15 @@ def main():
             w.writerow(("case", "impl", "dir", "seconds", "calls", "tflops", "sm_mhz", "watts",
                         "clock_event_reasons"))
             w.writerows(table)
-    print("medians over rounds; ratios x jax_fa4 (the API, the table's kernels)")
+    print("medians over rounds; ratios x jax_fa4 (the API, the table's kernels); "
+          "bwd:<variant> x bwd:default (the table's backward main kernel alone)")
     for (case, dr, name), vals in summary.items():
-        if name == "jax_fa4" or (case, dr, "jax_fa4") not in summary:
+        base = ("bwd:default" if name.startswith("bwd:") and (case, dr, "bwd:default") in summary
+                else "jax_fa4")
+        if name == base or (case, dr, base) not in summary:
             continue
         mine = [statistics.median(x[i] for x in vals) for i in range(3)]
-        ref = [statistics.median(x[i] for x in summary[(case, dr, "jax_fa4")]) for i in range(3)]
+        ref = [statistics.median(x[i] for x in summary[(case, dr, base)]) for i in range(3)]
         print(f"ratio {case:14s} {dr} {name:10s}: TF/s {mine[0]:.1f} x {mine[0] / ref[0]:.3f}  "
               f"clock {mine[1]:.0f}/{ref[1]:.0f} MHz  power {mine[2]:.0f}/{ref[2]:.0f} W  "
               f"TF/s per GHz x {mine[0] / mine[1] / (ref[0] / ref[1]):.3f}  "

@@ -82,6 +82,9 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dpsum_top=knob == "dtop")
         elif knob in ("sbt", "nosbt"):  # row statistics in by-thread order (LDS.128) or rows
             tiles = dataclasses.replace(tiles, stats_by_thread=knob == "sbt")
+        elif knob in ("shfl", "noshfl"):  # an eighth of the statistics per lane + shuffles
+            tiles = dataclasses.replace(tiles, stats_shuffle=knob == "shfl", stats_by_thread=(
+                tiles.stats_by_thread and knob == "noshfl"))
         elif knob in ("elect", "noelect"):  # Q / dO stage released from an elected lane
             tiles = dataclasses.replace(tiles, elect_release=knob == "elect")
         elif knob in ("hdiv", "nohdiv"):  # LPT coordinates: host divisors / run-time divisions
@@ -365,7 +368,9 @@ def main():
                          "elect / noelect (Q / dO stages released by an elect.sync lane "
                          "or the pipeline's lane test), "
                          "hdiv / nohdiv (LPT coordinates from host divisors or run-time "
-                         "divisions), combined with +, e.g. m80+pwg")
+                         "divisions), shfl / noshfl (each lane loads an eighth of its "
+                         "columns' LSElog2 / Dpsum, the rest by shuffles; shfl turns "
+                         "stats_by_thread off), combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

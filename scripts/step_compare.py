@@ -13,7 +13,11 @@ A step is printed from each S-ready wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) to
 the next HGMMA: its length, its opcode counts and a one-letter string (M MUFU,
 a FADD, f FFMA, m FMUL, P F2FP, x FMNMX, W wgmma wait, | branch, H HGMMA, . other).
 
-    python scripts/step_compare.py [--hdim 128] [--causal]
+With --bwd the two sm90 backward main kernels are compiled instead (flash-attn-4's
+with its own tile table, ``_tile_size_bwd_sm90``; ours with the table's, no GQA), and
+every loop that holds wgmmas is listed with its length and opcode counts.
+
+    python scripts/step_compare.py [--hdim 128] [--causal] [--bwd]
         [--wheels .device/wheels] [--src /tmp/jax_fa4_fa4src] [--out /tmp/step_compare]
 """
 
@@ -114,12 +118,67 @@ def compile_fa4(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
     return _read_sass(out)
 
 
+def compile_fa4_bwd(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
+    """flash-attn-4's sm90 backward main kernel for bf16 (B, S, 16, d), its own tile
+    table (``_tile_size_bwd_sm90``) and arguments as its interface builds them
+    (no GQA: dK and dV written directly); returns its SASS."""
+    sys.meta_path.insert(0, _StandIns())
+    sys.path.insert(0, src)
+    from jax_fa4.ffi.bridge import pinned_arch
+
+    with pinned_arch("sm_90a"):
+        import cutlass
+        import cutlass.cute as cute
+        from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+        from flash_attn.cute.interface import _tile_size_bwd_sm90
+
+        cfg = _tile_size_bwd_sm90(d, d, causal, False)
+        kernel = FlashAttentionBackwardSm90(
+            cutlass.BFloat16, d, d, 1, causal, is_local=False, deterministic=False,
+            tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q,
+            dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS,
+            SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB,
+            AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+            AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128,
+            dQ_single_wg=getattr(cfg, "dQ_single_wg", False))
+        b, s, s_rounded = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+        def bshd():
+            return cute.runtime.make_fake_compact_tensor(
+                cutlass.BFloat16, (b, s, 16, d), stride_order=(3, 1, 2, 0), assumed_align=16)
+
+        def f32(*shape):
+            return cute.runtime.make_fake_compact_tensor(
+                cutlass.Float32, shape, stride_order=tuple(range(len(shape)))[::-1],
+                assumed_align=16)
+
+        out.mkdir(parents=True, exist_ok=True)
+        cute.compile(kernel, bshd(), bshd(), bshd(), bshd(), f32(b, 16, s_rounded),
+                     f32(b, 16, s_rounded), f32(b, 16, s_rounded * d), bshd(), bshd(),
+                     cutlass.Float32(d ** -0.5), None, None, None, None, None, None, None,
+                     None, None, stream=cute.runtime.make_fake_stream(),
+                     options=f"--keep-ptx --keep-sass --dump-dir={out}")
+    return _read_sass(out)
+
+
 def compile_ours(d: int, causal: bool, out: pathlib.Path) -> str:
     """jax_fa4's table forward for bf16 at head dim d; returns its SASS."""
     import jax.numpy as jnp
     from kernel_compile import dump_options, lower_fwd_sm90
 
     lower_fwd_sm90(jnp.bfloat16, d, causal, compile_options=dump_options(out))
+    return _read_sass(out)
+
+
+def compile_ours_bwd(d: int, causal: bool, out: pathlib.Path) -> str:
+    """jax_fa4's table sm90 backward main kernel for bf16 at head dim d, no GQA."""
+    import jax.numpy as jnp
+    from kernel_compile import dump_options, lower_bwd
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
+
+    lower_bwd(FlashBwdSm90, "sm_90a", jnp.bfloat16, d, causal, shape=(2, 113, 203, 4, 4),
+              compile_options=dump_options(out))
     return _read_sass(out)
 
 
@@ -162,6 +221,39 @@ def describe(name: str, sass: str) -> None:
         print(letters)
 
 
+_LINE = re.compile(r"^\s*(?:(\.L_x_\d+):|/\*([0-9a-f]{4,})\*/\s+([^;]*);)", re.M)
+
+
+def loops(sass: str) -> list[tuple[int, list[str]]]:
+    """The loops (a branch back to an earlier label) whose bodies hold wgmmas:
+    (the label's position, the instructions from the label to the branch),
+    longest first."""
+    ins, labels = [], {}
+    for m in _LINE.finditer(sass):
+        if m.group(1):
+            labels[m.group(1)] = len(ins)
+        else:
+            ins.append(m.group(3).strip())
+    found = []
+    for i, x in enumerate(ins):
+        target = re.search(r"\((\.L_x_\d+)\)", x) if opcode(x) == "BRA" else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = ins[labels[target.group(1)]:i + 1]
+            if any(y.startswith("HGMMA") for y in body):
+                found.append((labels[target.group(1)], body))
+    return sorted(found, key=lambda f: -len(f[1]))
+
+
+def describe_loops(name: str, sass: str) -> None:
+    total = len(_INSTRUCTION.findall(sass))
+    found = loops(sass)
+    print(f"== {name}: {total} instructions, {len(found)} loop(s) with wgmmas")
+    for start, body in found:
+        counts = collections.Counter(opcode(x) for x in body)
+        top = ", ".join(f"{k} {v}" for k, v in counts.most_common(16))
+        print(f"loop at instruction {start}: {len(body)} instructions: {top}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hdim", type=int, default=128, choices=(64, 128, 256))
@@ -169,9 +261,19 @@ def main() -> None:
     ap.add_argument("--wheels", default=str(here.parent / ".device" / "wheels"))
     ap.add_argument("--src", default="/tmp/jax_fa4_fa4src")
     ap.add_argument("--out", default="/tmp/step_compare")
+    ap.add_argument("--bwd", action="store_true",
+                    help="the backward main kernels: their wgmma loops' opcode counts")
     args = ap.parse_args()
-    out = pathlib.Path(args.out) / f"d{args.hdim}_{'c' if args.causal else 'nc'}"
+    out = pathlib.Path(args.out) / (f"d{args.hdim}_{'c' if args.causal else 'nc'}"
+                                    + ("_bwd" if args.bwd else ""))
     unpack(args.wheels, args.src)
+    if args.bwd:
+        if args.hdim == 256:
+            ap.error("jax_fa4's sm90 backward at head dim 256 is another kernel (sm90_bwd_wide)")
+        describe_loops("jax_fa4", compile_ours_bwd(args.hdim, args.causal, out / "jax_fa4"))
+        describe_loops("flash-attn-4",
+                       compile_fa4_bwd(args.hdim, args.causal, out / "fa4", args.src))
+        return
     describe("jax_fa4", compile_ours(args.hdim, args.causal, out / "jax_fa4"))
     describe("flash-attn-4", compile_fa4(args.hdim, args.causal, out / "fa4", args.src))
 

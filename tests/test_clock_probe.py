@@ -62,3 +62,17 @@ def test_probe_refuses_bad_arguments(monkeypatch, capsys, argv):
         clock_probe.main()
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_bwd_main_call_serves_hdim_64_128_only():
+    """--bwd-variants: a call of the backward main kernel variant at hdim 64 / 128
+    (built, not run: this machine has no GPU), none at hdim 256, whose backward is
+    another kernel; an unknown variant is an error, not a skip."""
+    pytest.importorskip("cutlass")
+    import clock_probe
+
+    assert callable(clock_probe.bwd_main_call(64, False, (1, 256, 2), "shfl"))
+    assert callable(clock_probe.bwd_main_call(128, True, (1, 128, 2), "default"))
+    assert clock_probe.bwd_main_call(256, True, (1, 128, 2), "default") is None
+    with pytest.raises(ValueError, match="unknown variant knob"):
+        clock_probe.bwd_main_call(64, True, (1, 128, 2), "bogus")

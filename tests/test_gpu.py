@@ -363,6 +363,34 @@ def test_forward_tile_order_knobs(knob, shape, d):
     assert_close_2x(lse, hi[1], lo[1], atol=1e-3, name="lse")
 
 
+@pytest.mark.parametrize("d,causal,shape", [
+    (64, False, (2, 1000, 999, 4, 1)), (64, False, (1, 1, 1, 1, 1)),
+    (64, True, (2, 113, 203, 2, 2)), (64, True, (1, 1500, 1500, 4, 4)),
+    (128, True, (2, 1000, 1000, 4, 2)), (128, False, (1, 17, 17, 2, 2)),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_stats_shuffle_knob(d, causal, shape):
+    """BwdTiles.stats_shuffle (off; not yet run when added): each lane loads an
+    eighth of its columns' LSElog2 / Dpsum and shuffles the rest from the lanes that
+    loaded them. The main kernel alone (scripts/gpu_check_bwd.py's variant shfl,
+    jnp pre- and postprocess): dq, dk, dv against the f32 reference by the 2x rule,
+    the padded dQaccum rows untouched; GQA, Sq != Sk, one row, both masks."""
+    import math
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import gpu_check_bwd as g
+
+    scale = 1.0 / math.sqrt(d)
+    run = g.make_runner(g.kernel_call(jnp.bfloat16, d, causal, scale, "shfl"), scale, causal,
+                        g.flat_tile_m(d, causal, "shfl"), g.q_tile_pad(d, causal, "shfl"),
+                        g.stats_block_of(d, causal, "shfl"))
+    b, sq, sk, hq, hkv = shape
+    ok, worst, detail = g.check_case(run, jnp.bfloat16, b, sq, sk, hq, hkv, d,
+                                     jax.random.PRNGKey(sq + d))
+    assert ok, detail
+
+
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_negative_scale(d, causal):
     """A negative softmax scale (the kernels run it as -q with |scale|): forward and

@@ -522,3 +522,93 @@ def test_bwd_lpt_in_table_for_hdim128_causal_only():
     assert FlashBwdSm90(cutlass.BFloat16, 128, 128, True).lpt
     assert not FlashBwdSm90(cutlass.BFloat16, 128, 128, False).lpt
     assert not FlashBwdSm90Deterministic(cutlass.BFloat16, 128, 128, True).lpt
+
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,tile_m", [(64, 128), (128, 64)])
+def test_bwd_stats_shuffle_columns_match_the_wgmma_layout(head_dim, tile_m):
+    """BwdTiles.stats_shuffle's column formula: ``stat_part_query(c, lane)`` is the
+    query of column c of S^T in the kernel's own S^T tiled MMA (``acc_mn_view`` of
+    its partition of an identity tensor) for all 256 MMA threads; and the part a
+    lane loads (``stat_part_base`` + ``stat_part_offset(i)``) is the queries of its
+    columns per * (lane // 4) + i, so the 8 lanes of one lane-in-quad position hold
+    each of their columns exactly once."""
+    import dataclasses
+
+    import cutlass
+    import cutlass.cute as cute
+
+    from jax_fa4.ffi.bridge import pinned_arch
+    from jax_fa4.kernels.sm90_bwd import (
+        FlashBwdSm90,
+        bwd_tiles,
+        stat_part_base,
+        stat_part_offset,
+        stat_part_query,
+    )
+    from jax_fa4.kernels.softmax import acc_mn_view
+
+    tiles = dataclasses.replace(bwd_tiles(head_dim, False), tile_m=tile_m,
+                                stats_by_thread=False, stats_shuffle=True)
+    kernel = FlashBwdSm90(cutlass.BFloat16, head_dim, head_dim, False, tiles=tiles)
+    found = {}
+
+    @cute.jit
+    def walk():
+        mma_sdp = kernel._tiled_mmas()[0]
+        ident = cute.make_identity_tensor((kernel.tile_n, tile_m))
+        for t in cutlass.range_constexpr(256):
+            tScS = acc_mn_view(mma_sdp.get_slice(t).partition_C(ident))
+            for c in cutlass.range_constexpr(cute.size(tScS, mode=[1])):
+                found[(t, c)] = tScS[0, c][1]
+
+    with pinned_arch("sm_90a"):
+        walk()
+    n_cols = tile_m // 4
+    assert len(found) == 256 * n_cols
+    for (t, c), query in found.items():
+        assert int(query) == stat_part_query(c, t % 32), (t, c, query)
+    per = n_cols // 8
+    for lane in range(32):
+        assert [stat_part_base(lane, n_cols) + stat_part_offset(i) for i in range(per)] == [
+            stat_part_query(per * (lane // 4) + i, lane) for i in range(per)]
+    for q in range(4):
+        held = sorted(stat_part_base(lane, n_cols) + stat_part_offset(i)
+                      for lane in range(q, 32, 4) for i in range(per))
+        assert held == sorted(stat_part_query(c, q) for c in range(n_cols)), q
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+def test_bwd_stats_shuffle_knob(tmp_path, head_dim, causal):
+    """BwdTiles.stats_shuffle (off; compiled, not yet run on the H200): each lane
+    loads an eighth of its columns' LSElog2 and Dpsum (LDS.64 pairs: 2 + 2 at hdim
+    64, 1 + 1 at hdim 128) and shuffles each column's value from the lane that
+    loaded it (one SHFL.IDX per column and statistic), where the table loads every
+    column (row order at hdim 64: 16 + 16 LDS.64; by thread at hdim 128: 4 + 4
+    LDS.128). No spills or serialised wgmma (_knob_sass). Refused with the by-thread
+    order or 80-row tiles."""
+    import dataclasses
+
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    assert not any(bwd_tiles(d, c).stats_shuffle for d in (64, 128) for c in (False, True))
+    n_cols = bwd_tiles(head_dim, causal).tile_m // 4
+
+    def counts(sass: str) -> tuple[int, int, int]:
+        return (len(re.findall(r"\bSHFL\.IDX\b", sass)), len(re.findall(r"\bLDS\.64\b", sass)),
+                len(re.findall(r"\bLDS\.128\b", sass)))
+
+    off = counts(_knob_sass(tmp_path / "off", head_dim, causal))
+    on = counts(_knob_sass(tmp_path / "on", head_dim, causal, stats_shuffle=True,
+                           stats_by_thread=False))
+    assert off[0] <= 1 and on[0] == off[0] + 2 * n_cols, (off, on)
+    assert off[1:] == ((2 * n_cols // 2, 0) if head_dim == 64 else (0, 8)), off
+    assert on[1:] == (2 * n_cols // 16, 0), on
+    for over in ({"stats_by_thread": True}, {"tile_m": 80, "stats_by_thread": False}):
+        tiles = dataclasses.replace(bwd_tiles(128, False), stats_shuffle=True, **over)
+        with pytest.raises(ValueError, match="stats_shuffle"):
+            FlashBwdSm90(cutlass.BFloat16, 128, 128, False, tiles=tiles)

@@ -40,3 +40,40 @@ def test_describe_prints_counts_and_letters(capsys):
     assert out[0] == "== k: 11 instructions, 2 step(s)"
     assert out[1].startswith("step 0: 6 instructions: WARPGROUP 2, FMNMX 1")
     assert out[2] == "Wx.MWPH" and out[4] == "WaH"
+
+
+LOOPS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+.L_x_1:
+        /*0020*/                   FADD R2, R2, R3 ;
+        /*0030*/                   SHFL.IDX PT, R4, R2, R5, 0x1f ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+        /*0060*/              @!P1 BRA `(.L_x_0) ;
+        /*0070*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_loops_are_the_backward_branches_around_wgmmas():
+    """loops() keeps a branch to an earlier label whose body holds an HGMMA (the
+    outer loop), not one without (the inner FADD / SHFL loop) nor a forward branch."""
+    import step_compare
+
+    found = step_compare.loops(LOOPS)
+    assert len(found) == 1
+    start, body = found[0]
+    assert start == 1 and len(body) == 6
+    assert body[0].startswith("HGMMA") and body[-1] == "@!P1 BRA `(.L_x_0)"
+
+
+def test_describe_loops_prints_opcode_counts(capsys):
+    import step_compare
+
+    step_compare.describe_loops("k", LOOPS)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "== k: 9 instructions, 1 loop(s) with wgmmas"
+    assert out[1].startswith("loop at instruction 1: 6 instructions: HGMMA 2, BRA 2")

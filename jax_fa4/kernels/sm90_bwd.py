@@ -194,6 +194,18 @@ class BwdTiles:
     # queue at the top of the step (eleventh session). tile_m 64 or 128 only.
     # In the table at hdim 128 (twelfth session).
     stats_by_thread: bool = False
+    # Row order: each thread loads only an eighth of its columns' LSElog2 and Dpsum
+    # (the eight lanes of a warp that share a lane-in-quad, lane % 4, hold the same
+    # columns of S^T: column c of lane l is query 8 (c // 2) + 2 (l % 4) + c % 2),
+    # right after issuing S^T and dP^T, and takes each column's value from the lane
+    # that loaded it with a shuffle (``_shuffled_stat``), as flash-attn-4 does at
+    # hdim 64. 4 + 4 live registers instead of 32 + 32 at tile_m 128, so the loads
+    # leave the step's top without spilling; the row order loads them in the step,
+    # after the S^T wait (LSElog2) and the dP^T wait (Dpsum). Per step at hdim 64:
+    # 64 SHFL and 4 LDS.64 instead of 32 LDS.64. At hdim 64, 8k, the table's main
+    # kernel took 1.020x flash-attn-4's time non-causal, 1.001x causal (Nsight
+    # Compute, seventeenth session). Off: compiled and checked on the CPU only.
+    stats_shuffle: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -303,6 +315,41 @@ def _stats_to_regs(dst, s_stat, thr_stat, tScS, stage) -> None:
             dst[c] = s_stat[tScS[0, c][1], stage]
 
 
+def stat_part_query(c: int, lane):
+    """The query (row of the block, row order) of column c of S^T at a lane of the
+    MMA warpgroup: 8 (c // 2) + 2 (lane % 4) + c % 2 (the wgmma accumulator's
+    layout, checked against CuTe's in the tests). Plain ints or DSL integers."""
+    return 8 * (c // 2) + 2 * (lane % 4) + c % 2
+
+
+def stat_part_base(lane, n_cols: int):
+    """BwdTiles.stats_shuffle: a lane loads the statistics of its columns per *
+    (lane // 4) + i, i < per = n_cols / 8, whose queries (``stat_part_query``) are
+    this base + ``stat_part_offset(i)``. Plain ints or DSL integers."""
+    return (n_cols // 2) * (lane // 4) + 2 * (lane % 4)
+
+
+def stat_part_offset(i: int) -> int:
+    return 8 * (i // 2) + i % 2
+
+
+def _stat_part(s_stat, part_base, per: int, stage):
+    """BwdTiles.stats_shuffle: this lane's ``per`` values of a row statistic (rows
+    ``part_base`` + ``stat_part_offset(i)`` of stage ``stage``). Called while tracing."""
+    part = cute.make_rmem_tensor(cute.make_layout(per), Float32)
+    for i in range(per):
+        part[i] = s_stat[part_base + stat_part_offset(i), stage]
+    return part
+
+
+def _shuffled_stat(part, c: int, quad_lane):
+    """BwdTiles.stats_shuffle: the statistic of this thread's column c, read from
+    the lane of its quad position that loaded it (``_stat_part``): lane 4 (c // per)
+    + lane % 4, its value c % per. Called while tracing."""
+    per = cute.size(part)
+    return cute.arch.shuffle_sync(part[c % per], offset=4 * (c // per) + quad_lane)
+
+
 def stats_thread_block(head_dim: int, causal: bool) -> int | None:
     """The block of the by-thread LSElog2 / Dpsum order (``stat_position``) the sm90
     backward reads for this configuration (what its preprocess must write), or
@@ -377,6 +424,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         self.num_sms = sm_count() if t.persistent else 0
         if t.stats_by_thread and self.tile_m not in (64, 128):
             raise ValueError(f"stats_by_thread needs tile_m 64 or 128, got {self.tile_m}")
+        if t.stats_shuffle and (t.stats_by_thread or self.tile_m not in (64, 128)):
+            raise ValueError("stats_shuffle needs the row order (stats_by_thread off) and "
+                             f"tile_m 64 or 128, got tile_m {self.tile_m}")
         log.debug("FlashBwdSm90 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -836,10 +886,18 @@ class FlashBwdSm90(Sm90BwdCommon):
         tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
         n_rows = cute.size(tScS, mode=[0])
         n_cols = cute.size(tScS, mode=[1])
-        hoist_lse = n_cols <= 20
+        shuffle = self.tiles.stats_shuffle
+        hoist_lse = n_cols <= 20 and not shuffle
         # 16 more live registers: at 20 columns (80-row tiles) and in the persistent
         # walk they spill, so there Dpsum loads as dpsum_early says.
-        dpsum_top = self.tiles.dpsum_top and n_cols <= 16 and not self.persistent
+        dpsum_top = (self.tiles.dpsum_top and n_cols <= 16 and not self.persistent
+                     and not shuffle)
+        quad_lane = part_base = None
+        if const_expr(shuffle):
+            # This lane's eighth of the columns (BwdTiles.stats_shuffle).
+            lane = cute.arch.lane_idx()
+            quad_lane = lane % 4
+            part_base = stat_part_base(lane, n_cols)
         by_thread = self.tiles.stats_by_thread
         thr_lse = thr_dpsum = None
         if const_expr(by_thread):
@@ -931,6 +989,9 @@ class FlashBwdSm90(Sm90BwdCommon):
             wgmma_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], zero_init=True)
             if const_expr(hoist_lse and not self.tiles.lse_early):
                 _stats_to_regs(lse, sLSE, thr_lse, tScS, stage)
+            if const_expr(shuffle):
+                lse_part = _stat_part(sLSE, part_base, n_cols // 8, stage)
+                dpsum_part = _stat_part(sDpsum, part_base, n_cols // 8, stage)
             warpgroup.wait_group(1)  # S^T done
 
             # Keys past seqlen_k and (causal) keys after the query: S = -inf. Only
@@ -953,13 +1014,15 @@ class FlashBwdSm90(Sm90BwdCommon):
             if const_expr(not hoist_lse and by_thread):
                 _stats_to_regs(lse, sLSE, thr_lse, tScS, stage)
             for c in cutlass.range_constexpr(n_cols):
-                if const_expr(not hoist_lse and not by_thread):
+                if const_expr(shuffle):
+                    lse[c] = _shuffled_stat(lse_part, c, quad_lane)
+                elif const_expr(not hoist_lse and not by_thread):
                     lse[c] = sLSE[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
                     S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
             if const_expr(not self.tiles.pin_dp_wait):
                 convert_to_operand_a(acc_S, tdVrP, self.dtype)
-            if const_expr(self.tiles.dpsum_early and not dpsum_top):
+            if const_expr(self.tiles.dpsum_early and not dpsum_top and not shuffle):
                 _stats_to_regs(dpsum, sDpsum, thr_dpsum, tScS, stage)
             if const_expr(self.tiles.pin_dp_wait):
                 # Never taken (P = exp2(.) >= 0): a block boundary that keeps the
@@ -976,11 +1039,13 @@ class FlashBwdSm90(Sm90BwdCommon):
                 warpgroup.wait_group(0)  # dP^T done
 
             dP = acc_mn_view(acc_dP)
-            dpsum_late = not (self.tiles.dpsum_early or dpsum_top)
+            dpsum_late = not (self.tiles.dpsum_early or dpsum_top or shuffle)
             if const_expr(dpsum_late and by_thread):
                 _stats_to_regs(dpsum, sDpsum, thr_dpsum, tScS, stage)
             for c in cutlass.range_constexpr(n_cols):
-                if const_expr(dpsum_late and not by_thread):
+                if const_expr(shuffle):
+                    dpsum[c] = _shuffled_stat(dpsum_part, c, quad_lane)
+                elif const_expr(dpsum_late and not by_thread):
                     dpsum[c] = sDpsum[tScS[0, c][1], stage]
                 for r in cutlass.range_constexpr(n_rows):
                     dP[r, c] = S[r, c] * (dP[r, c] - dpsum[c])
