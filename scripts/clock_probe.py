@@ -125,26 +125,18 @@ def graph_replay(fwd, n: int):
 
 def bwd_main_call(d: int, causal: bool, bsh: tuple[int, int, int], spec: str):
     """A zero-argument call of gpu_check_bwd's backward main kernel variant ``spec``
-    (its table's kernel for "default") on random bf16 (B, S, H, d) inputs and random
-    statistics, dQaccum zeroed per call; None where no sm90 main kernel serves d
-    (hdim 256 has its own)."""
-    from gpu_check_bwd import kernel_call, pad_stats, q_tile_pad
-
-    from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded
+    (its table's kernel for "default") on random bf16 (B, S, H, d) inputs
+    (``main_kernel_call``); None where no sm90 main kernel serves d (hdim 256 has
+    its own)."""
+    from gpu_check_bwd import kernel_call, main_kernel_call
 
     if d not in (64, 128):
         return None
     b, s, h = bsh
-    kcall = kernel_call(jnp.bfloat16, d, causal, d ** -0.5, spec)
-    ks = jax.random.split(jax.random.PRNGKey(11), 6)
-    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
-                   for kk in ks[:4])
-    pad_tile = q_tile_pad(d, causal, spec)
-    dpsum, lse = pad_stats(jax.random.normal(ks[4], (b, h, s), jnp.float32),
-                           jax.random.normal(ks[5], (b, h, s), jnp.float32) + 10.0, pad_tile)
-    shape = (b, h, seqlen_q_padded(s, pad_tile), d)
-    main = jax.jit(lambda *a: kcall(*a, jnp.zeros(shape, jnp.float32)))
-    return lambda: main(q, k, v, do, lse, dpsum)
+    ks = jax.random.split(jax.random.PRNGKey(11), 5)
+    qkvdo = tuple(jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+                  for kk in ks[:4])
+    return main_kernel_call(kernel_call, d, causal, spec, qkvdo, ks[4])
 
 
 def run_phase(call, sync, seconds: float):

@@ -310,6 +310,22 @@ def timing(make_kcall, rows, variants, head_dims=(128, 64)):
                 time_one(kcall, causal, rows, variant, d)
 
 
+def main_kernel_call(make_kcall, d, causal, variant, qkvdo, key):
+    """A zero-argument call of the variant's main kernel alone on bf16 (q, k, v, dO)
+    with random statistics (LSElog2 around 10; padded to the variant's query tile)
+    and dQaccum zeroed per call (clock_probe.py's --bwd-variants use it too)."""
+    q = qkvdo[0]
+    b, s, h, _ = q.shape
+    k_dpsum, k_lse = jax.random.split(key)
+    pad_tile = q_tile_pad(d, causal, variant)
+    dpsum, lse = pad_stats(jax.random.normal(k_dpsum, (b, h, s), jnp.float32),
+                           jax.random.normal(k_lse, (b, h, s), jnp.float32) + 10.0, pad_tile)
+    kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
+    shape = (b, h, seqlen_q_padded(s, pad_tile), d)
+    main_only = jax.jit(lambda *a: kcall(*a, jnp.zeros(shape, jnp.float32)))
+    return lambda: main_only(*qkvdo, lse, dpsum)
+
+
 def timing_interleaved(make_kcall, rows, variants, head_dims, rounds):
     """The main kernel of every variant, timed in alternating rounds (ab_timing)."""
     from ab_timing import interleaved, summary
@@ -320,18 +336,9 @@ def timing_interleaved(make_kcall, rows, variants, head_dims, rounds):
         q, k, v, do = [jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
                        for kk in ks[:4]]
         for causal in TIME_CAUSAL:
-            calls = {}
-            for variant in dict.fromkeys(variants):  # each variant once, in order
-                pad_tile = q_tile_pad(d, causal, variant)
-                dpsum, lse = pad_stats(jax.random.normal(ks[4], (b, h, s), jnp.float32),
-                                       jax.random.normal(ks[5], (b, h, s), jnp.float32) + 10.0,
-                                       pad_tile)
-                kcall = make_kcall(jnp.bfloat16, d, causal, 1.0 / math.sqrt(d), variant)
-                sqp = seqlen_q_padded(s, pad_tile)
-                shape = (b, h, sqp, d)
-                main_only = jax.jit(lambda q, k, v, do, lse, dpsum, kcall=kcall, shape=shape: kcall(
-                    q, k, v, do, lse, dpsum, jnp.zeros(shape, jnp.float32)))
-                calls[variant] = (lambda f=main_only, a=(q, k, v, do, lse, dpsum): f(*a))
+            calls = {variant: main_kernel_call(make_kcall, d, causal, variant, (q, k, v, do),
+                                               ks[4])
+                     for variant in dict.fromkeys(variants)}  # each variant once, in order
             times = interleaved(calls, jax.block_until_ready, rounds=rounds)
             flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
             for line in summary(times, flops):
