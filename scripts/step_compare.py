@@ -84,10 +84,27 @@ def unpack(wheels: str, src: str) -> None:
             z.extractall(src)
 
 
+def _fa4_importable(src: str) -> None:
+    """flash-attn-4 and quack importable from src, their host-only imports stood in."""
+    if not any(isinstance(f, _StandIns) for f in sys.meta_path):
+        sys.meta_path.insert(0, _StandIns())
+    if src not in sys.path:
+        sys.path.insert(0, src)
+
+
+def _fake_bshd(b, s, d: int):
+    """A fake bf16 (B, S, 16, d) tensor as flash-attn-4's interface passes them
+    (head dim contiguous, then heads)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16, (b, s, 16, d), stride_order=(3, 1, 2, 0), assumed_align=16)
+
+
 def compile_fa4(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
     """flash-attn-4's sm90 forward for bf16 (B, S, 16, d); returns its SASS."""
-    sys.meta_path.insert(0, _StandIns())
-    sys.path.insert(0, src)
+    _fa4_importable(src)
     from jax_fa4.ffi.bridge import pinned_arch
 
     with pinned_arch("sm_90a"):  # also for a first cutlass import, which reads the target
@@ -106,8 +123,7 @@ def compile_fa4(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
         b, s = cute.sym_int(), cute.sym_int()
 
         def bshd():
-            return cute.runtime.make_fake_compact_tensor(
-                cutlass.BFloat16, (b, s, 16, d), stride_order=(3, 1, 2, 0), assumed_align=16)
+            return _fake_bshd(b, s, d)
 
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, 16, s),
                                                     stride_order=(2, 1, 0), assumed_align=4)
@@ -122,8 +138,7 @@ def compile_fa4_bwd(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
     """flash-attn-4's sm90 backward main kernel for bf16 (B, S, 16, d), its own tile
     table (``_tile_size_bwd_sm90``) and arguments as its interface builds them
     (no GQA: dK and dV written directly); returns its SASS."""
-    sys.meta_path.insert(0, _StandIns())
-    sys.path.insert(0, src)
+    _fa4_importable(src)
     from jax_fa4.ffi.bridge import pinned_arch
 
     with pinned_arch("sm_90a"):
@@ -144,8 +159,7 @@ def compile_fa4_bwd(d: int, causal: bool, out: pathlib.Path, src: str) -> str:
         b, s, s_rounded = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
         def bshd():
-            return cute.runtime.make_fake_compact_tensor(
-                cutlass.BFloat16, (b, s, 16, d), stride_order=(3, 1, 2, 0), assumed_align=16)
+            return _fake_bshd(b, s, d)
 
         def f32(*shape):
             return cute.runtime.make_fake_compact_tensor(
