@@ -369,7 +369,8 @@ def test_forward_tile_order_knobs(knob, shape, d):
     (128, True, (2, 1000, 1000, 4, 2)), (128, False, (1, 17, 17, 2, 2)),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_stats_shuffle_knob(d, causal, shape):
-    """BwdTiles.stats_shuffle (off; not yet run when added): each lane loads an
+    """BwdTiles.stats_shuffle (the table's at hdim 64 non-causal; variant shfl turns it
+    on in the other configurations too): each lane loads an
     eighth of its columns' LSElog2 / Dpsum and shuffles the rest from the lanes that
     loaded them. The main kernel alone (scripts/gpu_check_bwd.py's variant shfl,
     jnp pre- and postprocess): dq, dk, dv against the f32 reference by the 2x rule,

@@ -204,13 +204,15 @@ class BwdTiles:
     # after the S^T wait (LSElog2) and the dP^T wait (Dpsum). Per step at hdim 64:
     # 64 SHFL and 4 LDS.64 instead of 32 LDS.64. At hdim 64, 8k, the table's main
     # kernel took 1.020x flash-attn-4's time non-causal, 1.001x causal (Nsight
-    # Compute, seventeenth session). Off: compiled and checked on the CPU only.
+    # Compute, seventeenth session). In the table at hdim 64 non-causal: the main
+    # kernel alone under the power cap (clock_probe, 3 rounds, eighteenth session)
+    # 1.020x non-causal, 0.999x causal, 0.957x at hdim 128 causal 16k.
     stats_shuffle: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
 # lse_early, dpsum_early, dv_done_before_dk, lpt, dpsum_top, elect_release,
-# stats_by_thread).
+# stats_by_thread, stats_shuffle).
 # Measured on the H200 (docs/performance.md, "Backward, sm90 main kernel"): at hdim
 # 128 the per-warpgroup dQ hand-off gained 2-3%, 80-row tiles lost 10% with dS^T
 # queries-contiguous and measured level (+0.4%, seventh session) keys-contiguous
@@ -232,12 +234,13 @@ class BwdTiles:
 # 1k / 4k / 16k): at hdim 128 non-causal 1.014x / 1.013x / 1.028x, causal 1.006x /
 # 1.007x / 1.016x; at hdim 64 (8k) 1.008x non-causal, 0.970x causal: off there. The
 # first order (whole runs per quad, 2- or 4-way bank conflicts) measured 0.93-0.96x
-# at hdim 128 and 0.80-0.83x at hdim 64.
+# at hdim 128 and 0.80-0.83x at hdim 64. stats_shuffle: see BwdTiles (hdim 64
+# non-causal only).
 _TILE_TABLE = {
-    (64, False): (128, True, False, True, False, False, False, False, False, True, False),
-    (64, True): (128, True, False, True, False, False, True, False, False, True, False),
-    (128, False): (64, True, False, True, True, True, False, False, True, True, True),
-    (128, True): (64, True, False, True, True, True, False, True, True, True, True),
+    (64, False): (128, True, False, True, False, False, False, False, False, True, False, True),
+    (64, True): (128, True, False, True, False, False, True, False, False, True, False, False),
+    (128, False): (64, True, False, True, True, True, False, False, True, True, True, False),
+    (128, True): (64, True, False, True, True, True, False, True, True, True, True, False),
 }
 
 
@@ -254,12 +257,14 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
     (tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk,
-     lpt, dpsum_top, elect_release, stats_by_thread) = _TILE_TABLE[(head_dim, bool(causal))]
+     lpt, dpsum_top, elect_release, stats_by_thread,
+     stats_shuffle) = _TILE_TABLE[(head_dim, bool(causal))]
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early,
                     dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top,
-                    elect_release=elect_release, stats_by_thread=stats_by_thread)
+                    elect_release=elect_release, stats_by_thread=stats_by_thread,
+                    stats_shuffle=stats_shuffle)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
