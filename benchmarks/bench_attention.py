@@ -21,7 +21,9 @@ hit every implementation alike instead of whichever ran last. Before each timed
 burst the same implementation runs untimed for --settle-ms (200 ms): under this
 load the H200 sits at its 700 W power cap, where each kernel holds its own SM clock
 (scripts/clock_probe.py), and an unsettled burst partly runs at the clock the
-previous implementation left (ab_timing's Note [Clock settling]).
+previous implementation left (ab_timing's Note [Clock settling]). XLA, which
+materialises the scores and runs far below the cap, is timed after the rounds on
+its own (OUTSIDE_ROUNDS), without a range.
 
 Memory of the forward + backward step, in MiB:
   temp / total  JAX implementations: XLA's buffer assignment of the compiled
@@ -210,13 +212,28 @@ def measure(prep: Prepared, iters: int, reps: int = 5):
     return t_fwd, t_bwd, prep.mem
 
 
+# Peers timed after the alternating rounds, on their own (``measure``), not in them.
+# XLA's attention materialises the scores: at 16k its calls run 10-30x longer than
+# the fused kernels' and far below the power cap. In the rounds, whichever
+# implementation followed it started its burst with the power budget XLA left,
+# and the A B C D / D C B A order made that flash-attn-4 (after XLA's backward) and
+# cuDNN (after XLA's forward), never jax_fa4. At hdim 128 16k causal, 12 rounds
+# (eighteenth session): with XLA in them, backward ranges 8-9% and jax_fa4 x
+# flash-attn-4 0.994 (0.960 in that day's 6-round run); without it, ranges 2.6-6.3%
+# and 1.020 (1.017 with 80-call bursts).
+OUTSIDE_ROUNDS = ("xla",)
+
+
 def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: float = 0.0):
     """{name: (fwd seconds, bwd seconds, memory, fwd range, bwd range)} of every
     implementation of a case, timed in alternating rounds (ab_timing.interleaved,
     with its `settle` seconds before each timed burst); the seconds are medians
-    over the rounds, the ranges (max - min) / median."""
+    over the rounds, the ranges (max - min) / median. The OUTSIDE_ROUNDS peers are
+    timed afterwards on their own and get (fwd seconds, bwd seconds, memory)."""
     from ab_timing import interleaved
 
+    alone = {n: p for n, p in preps.items() if n in OUTSIDE_ROUNDS}
+    preps = {n: p for n, p in preps.items() if n not in OUTSIDE_ROUNDS}
     calls = {}
     for name, prep in preps.items():
         calls[(name, "fwd")] = prep.fwd
@@ -227,7 +244,8 @@ def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: 
         for sync in syncs:
             sync(outs)
 
-    times = interleaved(calls, sync_all, rounds=rounds, inner=iters, warmup=1, settle=settle)
+    times = (interleaved(calls, sync_all, rounds=rounds, inner=iters, warmup=1, settle=settle)
+             if calls else {})
     out = {}
     for name, prep in preps.items():
         tf, tb = times[(name, "fwd")], times[(name, "bwd")]
@@ -237,6 +255,8 @@ def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: 
             tb = [max(b - f, 1e-9) for f, b in zip(tf, tb, strict=True)]
             med_b = statistics.median(tb)
         out[name] = (med_f, med_b, prep.mem, rng(tf, med_f), rng(tb, med_b))
+    for name, prep in alone.items():
+        out[name] = measure(prep, iters)
     return out
 
 
@@ -440,16 +460,19 @@ def bench_case_rounds(impls, q, k, v, causal, have_fa4, args, i, n_cases):
             preps["fa4_torch"] = prepare_fa4_torch(q, k, v, causal, args.bwd_timing)
         except Exception as e:  # noqa: BLE001
             print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    print(f"[{i + 1}/{n_cases}] timing {len(preps)} implementations in {args.rounds} "
-          f"alternating rounds (settling {args.settle_ms:g} ms before each) ...", flush=True)
+    after = [n for n in preps if n in OUTSIDE_ROUNDS]
+    print(f"[{i + 1}/{n_cases}] timing {len(preps) - len(after)} implementations in "
+          f"{args.rounds} alternating rounds (settling {args.settle_ms:g} ms before each)"
+          + (f", then {', '.join(after)} on its own" if after else "") + " ...", flush=True)
     try:
         results = measure_rounds(preps, args.iters, args.rounds, args.settle_ms / 1e3)
     except Exception as e:  # noqa: BLE001 - one failed case must not end the run
         print(f"  timing failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         results = {}
     for name, res in results.items():
-        print(f"  {name}: range over rounds fwd {100 * res[3]:.1f}%, bwd {100 * res[4]:.1f}%",
-              flush=True)
+        if len(res) > 3:
+            print(f"  {name}: range over rounds fwd {100 * res[3]:.1f}%, "
+                  f"bwd {100 * res[4]:.1f}%", flush=True)
         _print_progress(res[:3])
     del preps
     if have_fa4:

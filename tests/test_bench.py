@@ -136,3 +136,38 @@ def test_measure_rounds_passes_settle_to_the_rounds(monkeypatch):
     res = ba.measure_rounds({"x": prep}, iters=3, rounds=2, settle=0.05)
     assert seen == {"rounds": 2, "inner": 3, "warmup": 1, "settle": 0.05}
     assert res["x"][:2] == (1.5, 1.5)
+
+
+def test_xla_is_timed_after_the_rounds_on_its_own(monkeypatch):
+    """measure_rounds: the OUTSIDE_ROUNDS peer (XLA) stays out of the alternating
+    rounds (its long, low-power calls would hand the next implementation a fresh
+    power budget) and is timed afterwards by ``measure``, without ranges; the others
+    keep their medians and ranges."""
+    import ab_timing
+
+    seen = {}
+
+    def fake_rounds(calls, sync, **kw):
+        seen["rounds"] = sorted(calls)
+        return {n: [1.0, 3.0] for n in calls}
+
+    def fake_time_calls(call, sync, iters, reps=5):
+        seen.setdefault("alone", []).append(call())
+        return {"xla fwd": 7.0, "xla bwd": 9.0}[call()]
+
+    monkeypatch.setattr(ab_timing, "interleaved", fake_rounds)
+    monkeypatch.setattr(ba, "time_calls", fake_time_calls)
+    assert ba.OUTSIDE_ROUNDS == ("xla",)
+
+    def prep(name):
+        return ba.Prepared(fwd=lambda: f"{name} fwd", bwd=lambda: f"{name} bwd",
+                           sync=lambda _: None, mem={"temp_mib": len(name)})
+
+    res = ba.measure_rounds({n: prep(n) for n in ("jax_fa4", "xla", "fa4_torch")}, iters=4,
+                            rounds=2)
+    assert seen["rounds"] == [("fa4_torch", "bwd"), ("fa4_torch", "fwd"), ("jax_fa4", "bwd"),
+                              ("jax_fa4", "fwd")]
+    assert seen["alone"] == ["xla fwd", "xla bwd"]
+    assert res["xla"] == (7.0, 9.0, {"temp_mib": 3})
+    assert res["jax_fa4"] == (2.0, 2.0, {"temp_mib": 7}, 1.0, 1.0)
+    assert set(res) == {"jax_fa4", "xla", "fa4_torch"}
