@@ -585,7 +585,7 @@ def test_bwd_stats_shuffle_knob(tmp_path, head_dim, causal):
     """BwdTiles.stats_shuffle (the table's at hdim 64 non-causal only): each lane
     loads an eighth of its columns' LSElog2 and Dpsum (LDS.64 pairs: 2 + 2 at hdim
     64, 1 + 1 at hdim 128) and shuffles each column's value from the lane that
-    loaded it (one SHFL.IDX per column and statistic), where the table loads every
+    loaded it (one SHFL.IDX per column and statistic), where with it off it loads every
     column (row order at hdim 64: 16 + 16 LDS.64; by thread at hdim 128: 4 + 4
     LDS.128). No spills or serialised wgmma (_knob_sass). Refused with the by-thread
     order or 80-row tiles."""

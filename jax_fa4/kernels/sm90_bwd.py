@@ -206,7 +206,8 @@ class BwdTiles:
     # kernel took 1.020x flash-attn-4's time non-causal, 1.001x causal (Nsight
     # Compute, seventeenth session). In the table at hdim 64 non-causal: the main
     # kernel alone under the power cap (clock_probe, 3 rounds, eighteenth session)
-    # 1.020x non-causal, 0.999x causal, 0.957x at hdim 128 causal 16k.
+    # 1.020x non-causal, 0.999x causal, 0.957x at hdim 128 causal 16k; Nsight Compute
+    # then had the hdim 64 non-causal main kernel at 0.964x flash-attn-4's time.
     stats_shuffle: bool = False
 
 
