@@ -40,7 +40,9 @@ Memory of the forward + backward step, in MiB:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import dataclasses
 import datetime
 import os
 import statistics
@@ -156,7 +158,40 @@ def jax_impls(peers):
     if "xla" in peers:
         impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
             q, k, v, is_causal=c, implementation="xla")
+    for peer in ("pdl", "nopdl"):  # jax_fa4 with its backward's PDL chain on / off (ENV_OF)
+        if peer in peers:
+            impls[f"jax_fa4_{peer}"] = impls["jax_fa4"]
     return impls
+
+
+# Implementations that are jax_fa4 lowered under an environment setting, for A/B
+# runs in one process: the setting holds while they are set up, lowered and called.
+ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": "0"}}
+
+
+@contextlib.contextmanager
+def environment(env: dict | None):
+    """``env`` set in os.environ inside the block, the old values restored after."""
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _under(env: dict | None, f: Callable[[], object]) -> Callable[[], object]:
+    if not env:
+        return f
+
+    def call():
+        with environment(env):
+            return f()
+    return call
 
 
 @dataclass
@@ -183,6 +218,12 @@ def prepare_jax(name, attn, q, k, v, causal, bwd_timing="diff") -> Prepared:
     timed on the residuals of one forward (jax.vjp's function is a pytree, so a
     jitted function takes it as an argument).
     """
+    env = ENV_OF.get(name)
+    if env:
+        with environment(env):
+            prep = prepare_jax(None, attn, q, k, v, causal, bwd_timing)
+        # Lowering happens at a function's first call: keep the setting for every call.
+        return dataclasses.replace(prep, fwd=_under(env, prep.fwd), bwd=_under(env, prep.bwd))
     fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal))
     dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
 
@@ -342,7 +383,8 @@ def main(argv=None):
     p.add_argument("--out", default="docs/benchmarks", help="folder for the CSV and the plot")
     p.add_argument("--peers", default="fa4,cudnn,xla",
                    help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla, det "
-                        "(jax_fa4 with deterministic=True)")
+                        "(jax_fa4 with deterministic=True), pdl / nopdl (jax_fa4 with its "
+                        "backward's kernels launched with / without PDL, JAX_FA4_PDL=1 / 0)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
     p.add_argument("--rounds", type=int, default=1,

@@ -68,6 +68,22 @@ class KernelKey:
     head_dim_v: int
     causal: bool
     scale: float
+    # The backward's kernels chained with programmatic dependent launch
+    # (``pdl_enabled``): each starts while its predecessor drains and waits on the
+    # GPU before it touches memory.
+    pdl: bool = False
+
+
+# "0" launches the backward's kernels without programmatic dependent launch (a
+# diagnostic switch: kernels compiled either way are cached under different keys).
+PDL_ENV = "JAX_FA4_PDL"
+
+
+def pdl_enabled(arch: str) -> bool:
+    """Whether the backward's sm_90a kernels launch with programmatic dependent
+    launch: on unless ``$JAX_FA4_PDL`` is "0". Off on sm_100a (compiled, not run on
+    hardware), where the chain has never been run."""
+    return arch == "sm_90a" and os.environ.get(PDL_ENV, "1") != "0"
 
 
 def dtype_name(dtype) -> str:

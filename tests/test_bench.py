@@ -171,3 +171,31 @@ def test_xla_is_timed_after_the_rounds_on_its_own(monkeypatch):
     assert res["xla"] == (7.0, 9.0, {"temp_mib": 3})
     assert res["jax_fa4"] == (2.0, 2.0, {"temp_mib": 7}, 1.0, 1.0)
     assert set(res) == {"jax_fa4", "xla", "fa4_torch"}
+
+
+def test_the_nopdl_peer_is_set_up_and_called_with_pdl_off(monkeypatch):
+    """jax_fa4_nopdl (``ENV_OF``): JAX_FA4_PDL=0 holds whenever JAX traces and lowers
+    its functions (at set-up and at each first call), and is restored after."""
+    monkeypatch.delenv("JAX_FA4_PDL", raising=False)
+    seen = []
+    xla = ba.jax_impls({"xla"})["xla"]
+
+    def attn(q, k, v, c):
+        seen.append(os.environ.get("JAX_FA4_PDL"))
+        return xla(q, k, v, c)
+
+    assert {"jax_fa4_pdl", "jax_fa4_nopdl"} <= set(ba.jax_impls({"pdl", "nopdl"}))
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 32, 2, 32), jnp.bfloat16)
+               for i in range(3))
+    prep = ba.prepare_jax("jax_fa4_nopdl", attn, q, k, v, True, "direct")
+    assert "JAX_FA4_PDL" not in os.environ
+    n_setup = len(seen)
+    prep.sync(prep.fwd())  # the forward is traced at its first call
+    prep.sync(prep.bwd())
+    assert n_setup > 0 and len(seen) > n_setup
+    assert set(seen) == {"0"}, seen
+    assert "JAX_FA4_PDL" not in os.environ
+    monkeypatch.setenv("JAX_FA4_PDL", "1")
+    with ba.environment({"JAX_FA4_PDL": "0"}):
+        assert os.environ["JAX_FA4_PDL"] == "0"
+    assert os.environ["JAX_FA4_PDL"] == "1"

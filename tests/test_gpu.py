@@ -56,6 +56,20 @@ def _cotangents(seed, b, sq, hq, dv):
     return jax.random.normal(kd[0], (b, sq, hq, dv)), jax.random.normal(kd[1], (b, hq, sq))
 
 
+def _assert_grads_2x(got, q, k, v, dout, dlse, causal):
+    """(dq, dk, dv) of attention(q, k, v) with cotangents (dout, dlse) against the
+    f32 reference's, by the 2x rule (the same math in q's dtype as the low side)."""
+    def vjp_of(f):
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        return pullback((dout.astype(out.dtype), dlse))
+
+    hi = vjp_of(lambda q, k, v: _ref(q.astype(jnp.float32), k.astype(jnp.float32),
+                                     v.astype(jnp.float32), causal, jnp.float32))
+    lo = vjp_of(lambda q, k, v: _ref(q, k, v, causal, q.dtype))
+    for name, g, h, lw in zip(("dq", "dk", "dv"), got, hi, lo):
+        assert_close_2x(g, h, lw, atol=2e-3, name=name)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -130,16 +144,7 @@ def test_backward_deterministic(shape, d, causal):
     for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
         for r in runs[1:]:
             assert bool(jnp.all(r[i] == runs[0][i])), f"{name} differs between runs"
-
-    def vjp_of(f):
-        (out, lse), pullback = jax.vjp(f, q, k, v)
-        return pullback((dout.astype(out.dtype), dlse))
-
-    hi = vjp_of(lambda q, k, v: _ref(q.astype(jnp.float32), k.astype(jnp.float32),
-                                     v.astype(jnp.float32), causal, jnp.float32))
-    lo = vjp_of(lambda q, k, v: _ref(q, k, v, causal, q.dtype))
-    for name, g, h, lw in zip(("dq", "dk", "dv"), runs[0], hi, lo):
-        assert_close_2x(g, h, lw, atol=2e-3, name=name)
+    _assert_grads_2x(runs[0], q, k, v, dout, dlse, causal)
 
 
 def test_vmap_of_grad_on_kernel():
@@ -424,6 +429,64 @@ def test_negative_scale(d, causal):
     assert_close_2x(lse, hi_lse, lo_lse, atol=1e-3, name="lse")
     for name, g, h, lw in zip(("dq", "dk", "dv"), grads, hi, lo):
         assert_close_2x(g, h, lw, atol=2e-3, name=name)
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False), (256, True)])
+def test_backward_pdl_chain(monkeypatch, d, causal):
+    """The backward's kernels launched with programmatic dependent launch (the
+    default on sm_90a) give bitwise the gradients of the same kernels launched
+    without it (JAX_FA4_PDL=0), in a chain of four steps where each step's dO and q
+    come from the step before through XLA kernels: a kernel that read its inputs
+    before its predecessor finished would differ. The deterministic backward makes
+    the two bitwise comparable (hdim 256 has none: it compares its own runs, and
+    the first step with the 2x rule). Each lowering's kernel keys say which
+    launch it got."""
+    from jax_fa4.config import PDL_ENV
+    from jax_fa4.ffi import bridge
+
+    b, s, h = 2, 1000, 4
+    q, k, v = rand_qkv(d + 11, b, s, s, h, h, d, dtype=jnp.bfloat16)
+    dout, dlse = _cotangents(d + 12, b, s, h, d)
+    det = d != 256
+
+    def step(q, dout):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, return_lse=True, implementation="cute",
+            deterministic=det), q, k, v)
+        return out, pullback((dout, dlse))
+
+    def chain(q, dout):
+        grads = []
+        for _ in range(4):
+            out, g = step(q, dout)
+            grads.append(g)
+            dout = (0.5 * dout + g[0] * 64).astype(dout.dtype)
+            q = (q - 0.25 * out).astype(q.dtype)
+        return grads
+
+    dout = dout.astype(jnp.bfloat16)
+    runs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv(PDL_ENV, pdl)
+        fn = jax.jit(lambda q, dout: chain(q, dout))  # a new function: lowered again
+        with poison_outputs():
+            runs[pdl] = [jax.tree.leaves(jax.block_until_ready(fn(q, dout))) for _ in range(3)]
+        # The switch reached the lowering: its backward keys were compiled.
+        assert {(key.kind, key.pdl) for key in bridge.compile_seconds
+                if key.head_dim == d and key.kind.startswith("bwd")} >= {
+            ("bwd_det" if det else "bwd", pdl == "1"), ("bwd_post", pdl == "1")}
+    for a, b_ in zip(runs["1"][0], runs["0"][0]):
+        assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+        if det:  # the same arithmetic in the same order, launched either way
+            assert bool(jnp.all(a == b_)), "PDL changed the deterministic gradients"
+        else:
+            err = jnp.max(jnp.abs(a.astype(jnp.float32) - b_.astype(jnp.float32)))
+            assert float(err) <= 0.02 * float(jnp.max(jnp.abs(b_.astype(jnp.float32))))
+    if det:
+        for pdl in ("1", "0"):
+            assert all(bool(jnp.all(a == b_)) for r in runs[pdl][1:]
+                       for a, b_ in zip(r, runs[pdl][0])), f"runs differ, JAX_FA4_PDL={pdl}"
+    _assert_grads_2x(runs["1"][0][:3], q, k, v, dout, dlse, causal)
 
 
 def test_exp2_poly_matches_host_mirror():

@@ -57,7 +57,7 @@ class FlashBwdPostprocess:
     """
 
     def __init__(self, dtype, head_dim: int, softmax_scale: float,
-                 flat_tile_m: int | None = None):
+                 flat_tile_m: int | None = None, use_pdl: bool = False):
         if cutlass is None:
             raise ImportError("FlashBwdPostprocess needs nvidia-cutlass-dsl")
         if head_dim % 8:
@@ -65,6 +65,8 @@ class FlashBwdPostprocess:
         self.dtype = _cutlass_dtype(dtype)
         self.head_dim = head_dim
         self.softmax_scale = float(softmax_scale)
+        # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
+        self.use_pdl = use_pdl
         self.tile_m, self.num_threads = postprocess_tiling(head_dim)
         # The main kernel's query tile when dQaccum is in flat order, else None.
         self.flat_tile_m = flat_tile_m
@@ -105,7 +107,7 @@ class FlashBwdPostprocess:
         copy_dq, _ = row_tiled_copy(self.dtype, self.head_dim, self.num_threads)
         grid = (cute.ceil_div(sdQ.shape[0], self.tile_m), sdQ.shape[2], sdQ.shape[3])
         self.kernel(sdQaccum, sdQ, copy_acc, copy_dq).launch(
-            grid=grid, block=(self.num_threads, 1, 1), stream=stream
+            grid=grid, block=(self.num_threads, 1, 1), stream=stream, use_pdl=self.use_pdl
         )
 
     @cute.kernel
@@ -116,6 +118,9 @@ class FlashBwdPostprocess:
         copy_acc: cute.TiledCopy,
         copy_dq: cute.TiledCopy,
     ):
+        from jax_fa4.kernels.cute_utils import pdl_start
+
+        pdl_start(self.use_pdl)  # dQaccum comes from the main kernel
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         rows_left = mdQ.shape[0] - m_block * self.tile_m
@@ -167,7 +172,7 @@ class FlashBwdPostprocess:
         grid = (cute.ceil_div(sdQ.shape[0], tm), sdQ.shape[2], sdQ.shape[3])
         self.kernel_flat(sdQaccum, gdQ, tma, mma, sdQ_layout, Storage).launch(
             grid=grid, block=(self.num_threads, 1, 1), smem=Storage.size_in_bytes(),
-            stream=stream)
+            stream=stream, use_pdl=self.use_pdl)
 
     @cute.kernel
     def kernel_flat(
@@ -179,9 +184,15 @@ class FlashBwdPostprocess:
         sdQ_layout: cute.ComposedLayout,
         Storage: cutlass.Constexpr,
     ):
-        from jax_fa4.kernels.cute_utils import stmatrix_acc, tma_store_tile, transpose_smem
+        from jax_fa4.kernels.cute_utils import (
+            pdl_start,
+            stmatrix_acc,
+            tma_store_tile,
+            transpose_smem,
+        )
         from jax_fa4.kernels.sm90_bwd_common import dq_mma_shape
 
+        pdl_start(self.use_pdl)  # dQaccum comes from the main kernel
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         tm, d = self.tile_m, self.head_dim

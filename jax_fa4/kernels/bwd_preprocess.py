@@ -222,7 +222,8 @@ class FlashBwdPreprocess:
     Batch, seqlen and heads are dynamic.
     """
 
-    def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None):
+    def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None,
+                 use_pdl: bool = False):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:
@@ -233,6 +234,8 @@ class FlashBwdPreprocess:
         check_stat_block(stat_block)
         # LSElog2 / Dpsum in the main kernel's by-thread order (``stat_position``).
         self.stat_block = stat_block
+        # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
+        self.use_pdl = use_pdl
         self.tile_m, self.num_threads = preprocess_tiling(head_dim_v)
         assert SEQLEN_Q_PAD % self.tile_m == 0
         assert self.tile_m <= self.num_threads  # one thread per row moves LSE
@@ -282,7 +285,8 @@ class FlashBwdPreprocess:
         grid = (cute.ceil_div(s_pad, self.tile_m), h, b)
         self.kernel(
             sO, sdO, sLSE, sdLSE, sDpsum, sLSElog2, sdQaccum, copy_o, copy_zero, tpr
-        ).launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream)
+        ).launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
+                 use_pdl=self.use_pdl)
 
     @cute.kernel
     def kernel(
@@ -298,6 +302,11 @@ class FlashBwdPreprocess:
         copy_zero: cute.TiledCopy,
         threads_per_row: cutlass.Constexpr[int],
     ):
+        from jax_fa4.kernels.cute_utils import pdl_start
+
+        # O, dO and LSE may come from the kernel before; dQaccum may be a buffer it
+        # still reads.
+        pdl_start(self.use_pdl)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         tile_m = self.tile_m

@@ -215,6 +215,19 @@ class DqSemaphoreCall:
 
 
 
+def pdl_start(use_pdl: bool) -> None:
+    """The first device step of a kernel launched with programmatic dependent launch
+    (``launch(use_pdl=True)``). Such a kernel may start while the kernel before it
+    in the stream still runs: every thread waits here until that grid has finished
+    and its writes are visible, before it reads or writes global memory. Then it
+    lets the next PDL kernel in the stream launch; that kernel waits the same way,
+    so nothing it reads can be unfinished. What comes before this call may only set
+    up SMEM, barriers and registers. No-op when ``use_pdl`` is False."""
+    if use_pdl:
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+
 @cute.jit
 def semaphore_wait(ptr: cute.Pointer, value) -> None:
     """Spin with GPU-scope acquire loads until the int32 at ``ptr`` equals ``value``,

@@ -65,6 +65,7 @@ from jax_fa4.kernels.cute_utils import (
     consumer_release_elected,
     convert_to_operand_a,
     init_bwd_kernel,
+    pdl_start,
     semaphore_release_after_bulk,
     semaphore_wait,
     sm90_smem_layout,
@@ -393,10 +394,13 @@ class FlashBwdSm90(Sm90BwdCommon):
         softmax_scale: float | None = None,
         tiles: BwdTiles | None = None,
         deterministic: bool = False,
+        use_pdl: bool = False,
     ):
         init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
         self.deterministic = deterministic
+        # Launched with programmatic dependent launch (``pdl_start``).
+        self.use_pdl = use_pdl
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
@@ -567,6 +571,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.use_pdl,
         )
 
     def tile_coord(self, t, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
@@ -679,6 +684,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDpsum = storage.sDpsum.get_tensor(sRow_layout)
 
+        # Everything above only set up SMEM and barriers: no global memory yet.
+        pdl_start(self.use_pdl)
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         if const_expr(self.persistent):

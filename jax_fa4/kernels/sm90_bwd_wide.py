@@ -85,6 +85,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
 from jax_fa4.kernels.cute_utils import (
     init_bwd_kernel,
+    pdl_start,
     permute,
     sm90_smem_layout,
     transpose_smem,
@@ -192,9 +193,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         causal: bool = False,
         softmax_scale: float | None = None,
         tiles: BwdTilesWide | None = None,
+        use_pdl: bool = False,
     ):
         init_bwd_kernel(self, "the wide sm90 backward", dtype, head_dim, head_dim_v, (256,), causal,
                         softmax_scale)
+        # Launched with programmatic dependent launch (``pdl_start``).
+        self.use_pdl = use_pdl
         self.tiles = bwd_tiles_wide(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
@@ -298,6 +302,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.use_pdl,
         )
 
     # ---------------------------------------------------------------- device side
@@ -358,6 +363,8 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDpsum = storage.sDpsum.get_tensor(sRow_layout)
 
+        # Everything above only set up SMEM and barriers: no global memory yet.
+        pdl_start(self.use_pdl)
         seqlen_k = mK.shape[0]
         group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
 

@@ -13,7 +13,13 @@ import functools
 
 import jax
 
-from jax_fa4.config import AttentionConfig, KernelKey, deterministic_bwd_support_error, dtype_name
+from jax_fa4.config import (
+    AttentionConfig,
+    KernelKey,
+    deterministic_bwd_support_error,
+    dtype_name,
+    pdl_enabled,
+)
 from jax_fa4.ffi import cutlass_available, kernel_call
 
 # Per tensor: the dimensions that are compile-time constants (the head dims).
@@ -35,6 +41,8 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
         head_dim_v=int(v.shape[-1]),
         causal=bool(config.causal),
         scale=float(config.scale),
+        # The backward's three kernels form one PDL chain (``cute_utils.pdl_start``).
+        pdl=kind != "fwd" and pdl_enabled(arch),
     )
 
 
@@ -153,7 +161,7 @@ def _pre_kernel(key: KernelKey):
     if key.kind == "bwd_pre_by_thread":
         block = _stats_block(key.arch, key.head_dim, key.causal)
     return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim,
-                              stat_block=block)
+                              stat_block=block, use_pdl=key.pdl)
 
 
 def _bwd_kernel(key: KernelKey):
@@ -171,7 +179,9 @@ def _bwd_kernel(key: KernelKey):
         from jax_fa4.kernels.sm100_bwd import FlashBwdSm100 as Kernel
     else:
         raise NotImplementedError(f"no backward kernel for {key.arch}")
-    return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale)
+    pdl = {"use_pdl": True} if key.pdl else {}  # sm_90a only (config.pdl_enabled)
+    return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale,
+                  **pdl)
 
 
 def _flat_dq_tile_m(arch: str, head_dim: int, causal: bool) -> int | None:
@@ -188,7 +198,8 @@ def _post_kernel(key: KernelKey):
     from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
 
     return FlashBwdPostprocess(_cutlass_dtype(key.dtype), key.head_dim, key.scale,
-                               _flat_dq_tile_m(key.arch, key.head_dim, key.causal))
+                               _flat_dq_tile_m(key.arch, key.head_dim, key.causal),
+                               use_pdl=key.pdl)
 
 
 def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str):
