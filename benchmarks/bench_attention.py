@@ -40,7 +40,6 @@ Memory of the forward + backward step, in MiB:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
 import datetime
@@ -50,6 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 # XLA grows its pool on demand instead of taking 75% of the GPU at start: PyTorch
 # (flash-attn-4) runs in the same process. main() warns when this was overridden.
@@ -169,19 +169,9 @@ def jax_impls(peers):
 ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": "0"}}
 
 
-@contextlib.contextmanager
 def environment(env: dict | None):
     """``env`` set in os.environ inside the block, the old values restored after."""
-    old = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return mock.patch.dict(os.environ, env or {})
 
 
 def _under(env: dict | None, f: Callable[[], object]) -> Callable[[], object]:
