@@ -158,7 +158,9 @@ def jax_impls(peers):
     if "xla" in peers:
         impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
             q, k, v, is_causal=c, implementation="xla")
-    for peer in ("pdl", "nopdl"):  # jax_fa4 with its backward's PDL chain on / off (ENV_OF)
+    # jax_fa4 with its backward's PDL chain on / off, and with each query block's
+    # first dQ partial stored / dQaccum zeroed by the preprocess (ENV_OF)
+    for peer in ("pdl", "nopdl", "storefirst", "zerodq"):
         if peer in peers:
             impls[f"jax_fa4_{peer}"] = impls["jax_fa4"]
     return impls
@@ -166,7 +168,9 @@ def jax_impls(peers):
 
 # Implementations that are jax_fa4 lowered under an environment setting, for A/B
 # runs in one process: the setting holds while they are set up, lowered and called.
-ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": "0"}}
+ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": "0"},
+          "jax_fa4_storefirst": {"JAX_FA4_DQ_STORE_FIRST": "1"},
+          "jax_fa4_zerodq": {"JAX_FA4_DQ_STORE_FIRST": "0"}}
 
 
 def environment(env: dict | None):
@@ -175,12 +179,21 @@ def environment(env: dict | None):
 
 
 def _under(env: dict | None, f: Callable[[], object]) -> Callable[[], object]:
+    """``f`` whose first call (where JAX traces and lowers it) runs under ``env``.
+    Later calls reuse the compiled function and skip the setting: patching
+    os.environ costs about 0.7 ms a call on the H200 host (putenv / unsetenv of every
+    variable on the way out), more than a whole 1k-token forward."""
     if not env:
         return f
+    lowered = []
 
     def call():
-        with environment(env):
+        if lowered:
             return f()
+        with environment(env):
+            out = f()
+        lowered.append(True)
+        return out
     return call
 
 
@@ -374,7 +387,10 @@ def main(argv=None):
     p.add_argument("--peers", default="fa4,cudnn,xla",
                    help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla, det "
                         "(jax_fa4 with deterministic=True), pdl / nopdl (jax_fa4 with its "
-                        "backward's kernels launched with / without PDL, JAX_FA4_PDL=1 / 0)")
+                        "backward's kernels launched with / without PDL, JAX_FA4_PDL=1 / 0), "
+                        "storefirst / zerodq (jax_fa4 whose backward stores each query "
+                        "block's first dQ partial / zeroes dQaccum in the preprocess, "
+                        "JAX_FA4_DQ_STORE_FIRST=1 / 0)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
     p.add_argument("--rounds", type=int, default=1,

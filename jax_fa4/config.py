@@ -72,6 +72,10 @@ class KernelKey:
     # (``pdl_enabled``): each starts while its predecessor drains and waits on the
     # GPU before it touches memory.
     pdl: bool = False
+    # The sm90 backward main kernel stores each query block's first dQ partial, so
+    # the preprocess zeroes its semaphores instead of dQaccum (BwdTiles.dq_store_first,
+    # ``dq_store_first_override``; Note [dQ store first] in kernels/dq_layout.py).
+    dq_store_first: bool = False
 
 
 # "0" launches the backward's kernels without programmatic dependent launch (a
@@ -84,6 +88,22 @@ def pdl_enabled(arch: str) -> bool:
     launch: on unless ``$JAX_FA4_PDL`` is "0". Off on sm_100a (compiled, not run on
     hardware), where the chain has never been run."""
     return arch == "sm_90a" and os.environ.get(PDL_ENV, "1") != "0"
+
+
+# "1" / "0": the sm90 backward at head dims 64 / 128 stores each query block's first
+# dQ partial (Note [dQ store first]) / zeroes dQaccum in the preprocess, whatever its
+# tile table says (``BwdTiles.dq_store_first``, off everywhere: measured slower beyond
+# 1k tokens). An A/B switch; kernels built either way are cached under their own keys.
+DQ_STORE_FIRST_ENV = "JAX_FA4_DQ_STORE_FIRST"
+
+
+def dq_store_first_override(arch: str, head_dim: int) -> bool | None:
+    """``$JAX_FA4_DQ_STORE_FIRST`` for a backward that can store first (sm_90a, head
+    dims 64 and 128: the flat dQ accumulator): True ("1"), False ("0", and where it
+    cannot), None (unset: the tile table decides)."""
+    if arch != "sm_90a" or head_dim not in (64, 128):
+        return False
+    return {"1": True, "0": False}.get(os.environ.get(DQ_STORE_FIRST_ENV, ""))
 
 
 def dtype_name(dtype) -> str:

@@ -39,7 +39,11 @@ from jax import export  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded, stat_order  # noqa: E402
 from jax_fa4.kernels.dq_layout import unflatten_dq_accum  # noqa: E402
-from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles  # noqa: E402
+from jax_fa4.kernels.sm90_bwd import (  # noqa: E402
+    FlashBwdSm90,
+    FlashBwdSm90StoreFirst,
+    bwd_tiles,
+)
 
 log = logging.getLogger("gpu_check_bwd")
 LOG2_E = math.log2(math.e)
@@ -89,15 +93,26 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, elect_release=knob == "elect")
         elif knob in ("hdiv", "nohdiv"):  # LPT coordinates: host divisors / run-time divisions
             tiles = dataclasses.replace(tiles, lpt_host_div=knob == "hdiv")
-        elif knob != "default":
+        elif knob in ("rot", "norot"):  # non-causal walk rotated per key block, or not
+            tiles = dataclasses.replace(tiles, rotate_walk=knob == "rot")
+        elif knob in ("dq1", "dq2"):  # store first: one or two dQ SMEM buffers
+            tiles = dataclasses.replace(tiles, dq_double=knob == "dq2")
+        elif knob not in ("default", "first"):  # first: a kernel class (kernel_call)
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
 
 
 def kernel_call(dtype, d, causal, scale, variant="default"):
-    """The cutlass_call of the backward main kernel; shapes come from its arguments."""
-    kernel = FlashBwdSm90(CUTE_DTYPE[dtype], d, d, causal, scale,
-                          tiles=make_tiles(d, causal, variant))
+    """The cutlass_call of the backward main kernel; shapes come from its arguments.
+
+    Variant knob "first": ``FlashBwdSm90StoreFirst`` (Note [dQ store first]) on a
+    NaN-poisoned dQaccum with zeroed semaphores. Rows of dQaccum past the last query
+    block must come back untouched (NaN); they are returned as 0 if so, else inf,
+    so the runner's padding check sees both that and the stored zero rows."""
+    first = "first" in variant.split("+")
+    tiles = make_tiles(d, causal, variant)
+    kernel = (FlashBwdSm90StoreFirst if first else FlashBwdSm90)(
+        CUTE_DTYPE[dtype], d, d, causal, scale, tiles=tiles)
     s4 = TensorSpec(divisibility=(1, 1, 1, d))
     s3 = TensorSpec(divisibility=(1, 1, 1))
 
@@ -105,10 +120,24 @@ def kernel_call(dtype, d, causal, scale, variant="default"):
         out = (jax.ShapeDtypeStruct(dq_accum.shape, jnp.float32),
                jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype))
-        return cutlass_call(kernel, output_shape_dtype=out,
-                            input_spec=[s4, s4, s4, s4, s3, s3, s4],
-                            output_spec=[s4, s4, s4],
-                            input_output_aliases={6: 0})(q, k, v, do, lse_log2, dpsum, dq_accum)
+        if not first:
+            return cutlass_call(kernel, output_shape_dtype=out,
+                                input_spec=[s4, s4, s4, s4, s3, s3, s4],
+                                output_spec=[s4, s4, s4],
+                                input_output_aliases={6: 0})(q, k, v, do, lse_log2, dpsum,
+                                                             dq_accum)
+        b, sq, hq, _ = q.shape
+        num_m = -(-sq // tiles.tile_m)
+        sem = jnp.zeros((b, hq, num_m), jnp.int32)
+        acc, dk, dv, _ = cutlass_call(
+            kernel, output_shape_dtype=out + (jax.ShapeDtypeStruct(sem.shape, jnp.int32),),
+            input_spec=[s4, s4, s4, s4, s3, s3, s4, s3], output_spec=[s4, s4, s4, s3],
+            input_output_aliases={6: 0, 7: 3})(q, k, v, do, lse_log2, dpsum,
+                                              jnp.full_like(dq_accum, jnp.nan), sem)
+        end = num_m * tiles.tile_m
+        untouched = jnp.all(jnp.isnan(acc[:, :, end:]))
+        acc = acc.at[:, :, end:].set(jnp.where(untouched, 0.0, jnp.inf))
+        return acc, dk, dv
     return f
 
 

@@ -195,7 +195,26 @@ def test_the_nopdl_peer_is_set_up_and_called_with_pdl_off(monkeypatch):
     assert n_setup > 0 and len(seen) > n_setup
     assert set(seen) == {"0"}, seen
     assert "JAX_FA4_PDL" not in os.environ
+    # Once compiled, calls neither retrace nor pay for patching the environment.
+    entered, real, n_traced = [], ba.environment, len(seen)
+    monkeypatch.setattr(ba, "environment", lambda env: (entered.append(env), real(env))[1])
+    prep.sync(prep.fwd())
+    prep.sync(prep.bwd())
+    assert entered == [] and len(seen) == n_traced
     monkeypatch.setenv("JAX_FA4_PDL", "1")
     with ba.environment({"JAX_FA4_PDL": "0"}):
         assert os.environ["JAX_FA4_PDL"] == "0"
     assert os.environ["JAX_FA4_PDL"] == "1"
+
+
+def test_the_store_first_peers_lower_with_the_switch_set():
+    """jax_fa4_storefirst / jax_fa4_zerodq: the same attention, lowered with
+    JAX_FA4_DQ_STORE_FIRST=1 / 0 (the backward that stores each query block's first
+    dQ partial / zeroes dQaccum in its preprocess), for A/B runs in one process."""
+    from jax_fa4.config import DQ_STORE_FIRST_ENV
+
+    impls = ba.jax_impls({"storefirst", "zerodq"})
+    assert impls["jax_fa4_zerodq"] is impls["jax_fa4_storefirst"] is impls["jax_fa4"]
+    assert ba.ENV_OF["jax_fa4_storefirst"] == {DQ_STORE_FIRST_ENV: "1"}
+    assert ba.ENV_OF["jax_fa4_zerodq"] == {DQ_STORE_FIRST_ENV: "0"}
+    assert "jax_fa4_zerodq" not in ba.jax_impls({"pdl", "nopdl"})

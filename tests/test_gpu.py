@@ -147,6 +147,40 @@ def test_backward_deterministic(shape, d, causal):
     _assert_grads_2x(runs[0], q, k, v, dout, dlse, causal)
 
 
+@pytest.mark.parametrize("shape,d,causal", [
+    ((2, 1000, 1000, 8, 2), 128, True), ((1, 777, 4097, 2, 1), 64, False),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_store_first_switch(monkeypatch, shape, d, causal, deterministic):
+    """JAX_FA4_DQ_STORE_FIRST=1 (Note [dQ store first]; off in the tile table): the
+    preprocess zeroes the main kernel's semaphores instead of dQaccum, which the main
+    kernel never reads before writing. Through the public API: the 2x rule, and with
+    deterministic=True bitwise equal over two runs and to the zeroing backward's."""
+    from jax_fa4.config import DQ_STORE_FIRST_ENV
+
+    b, sq, sk, hq, hkv = shape
+    q, k, v = rand_qkv(sq + 5 * d, b, sq, sk, hq, hkv, d)
+    dout, dlse = _cotangents(sq + 2, b, sq, hq, d)
+
+    def grads(q, k, v, dout, dlse):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, return_lse=True, implementation="cute",
+            deterministic=deterministic), q, k, v)
+        return pullback((dout.astype(out.dtype), dlse))
+
+    runs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv(DQ_STORE_FIRST_ENV, env)
+        fn = jax.jit(grads)  # a new function: lowered under this setting
+        with poison_outputs():
+            runs[env] = [jax.block_until_ready(fn(q, k, v, dout, dlse)) for _ in range(2)]
+    if deterministic:
+        for i, name in enumerate(("dq", "dk", "dv")):
+            for r in (runs["1"][1], runs["0"][0]):
+                assert bool(jnp.all(r[i] == runs["1"][0][i])), f"{name} differs"
+    _assert_grads_2x(runs["1"][0], q, k, v, dout, dlse, causal)
+
+
 def test_vmap_of_grad_on_kernel():
     q, k, v = rand_qkv(11, 2, 130, 130, 4, 2, 64)
     qs = jnp.stack([q, (q.astype(jnp.float32) * 0.5).astype(q.dtype), -q])
@@ -394,6 +428,39 @@ def test_backward_stats_shuffle_knob(d, causal, shape):
     b, sq, sk, hq, hkv = shape
     ok, worst, detail = g.check_case(run, jnp.bfloat16, b, sq, sk, hq, hkv, d,
                                      jax.random.PRNGKey(sq + d))
+    assert ok, detail
+
+
+@pytest.mark.parametrize("d,causal,variant,shape", [
+    (128, True, "first", (2, 1000, 1000, 4, 2)), (128, False, "first", (2, 203, 113, 4, 1)),
+    (128, True, "first", (1, 1, 1, 1, 1)), (64, False, "first", (2, 1000, 999, 4, 1)),
+    (64, True, "first", (2, 113, 203, 2, 2)), (64, True, "first", (1, 1500, 1500, 4, 4)),
+    (128, False, "first+m80+dq1", (1, 4097, 4097, 2, 2)),
+    (128, False, "first+rot", (2, 1000, 999, 4, 2)),
+    (64, False, "first+dq1", (1, 777, 4097, 2, 1)),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_dq_store_first_on_poison(d, causal, variant, shape):
+    """FlashBwdSm90StoreFirst (Note [dQ store first]) alone, on a dQaccum filled with
+    NaN and zeroed semaphores (scripts/gpu_check_bwd.py's variant first, jnp pre- and
+    postprocess): every query block's first partial must be stored, not added (else
+    the NaN stays), so dq, dk, dv pass the 2x rule against the f32 reference; the
+    rows of the last block past Sq are stored zeros; the rows past the last block are
+    left untouched. GQA, Sq != Sk, one row, both masks, 64 / 80-row tiles, one or two
+    dQ buffers, the non-causal walk rotated or not."""
+    import math
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import gpu_check_bwd as g
+
+    scale = 1.0 / math.sqrt(d)
+    run = g.make_runner(g.kernel_call(jnp.bfloat16, d, causal, scale, variant), scale, causal,
+                        g.flat_tile_m(d, causal, variant), g.q_tile_pad(d, causal, variant),
+                        g.stats_block_of(d, causal, variant))
+    b, sq, sk, hq, hkv = shape
+    ok, worst, detail = g.check_case(run, jnp.bfloat16, b, sq, sk, hq, hkv, d,
+                                     jax.random.PRNGKey(sq + d + 1))
     assert ok, detail
 
 

@@ -263,7 +263,7 @@ def test_stats_by_thread_reaches_the_preprocess(monkeypatch):
     there the backward keys its preprocess by mask ("bwd_pre_by_thread") and the
     kernel built for that key has the main kernel's query tile as its statistics
     block (bwd_preprocess.stat_position); everywhere else the preprocess stays
-    row-ordered, keyed without the mask."""
+    row-ordered, keyed without the mask (unless Note [dQ store first] applies)."""
     from jax_fa4.config import AttentionConfig
     from jax_fa4.rules import kernels_cuda
 
@@ -291,7 +291,9 @@ def test_stats_by_thread_reaches_the_preprocess(monkeypatch):
         assert text.count(CALL) == 4
         (pre,) = [k for k in keys if k.kind.startswith("bwd_pre")]
         assert pre.kind == ("bwd_pre" if block is None else "bwd_pre_by_thread")
-        assert pre.causal == (causal and block is not None)
+        # Keyed by mask too where the main kernel stores each query block's first dQ
+        # partial (the preprocess sizes its semaphores by the main kernel's tile).
+        assert pre.causal == (causal and (block is not None or pre.dq_store_first))
         assert kernels_cuda._pre_kernel(pre).stat_block == block, (causal, d)
 
 

@@ -7,7 +7,10 @@ Runs once before the main backward kernel. Per query row i of every
     LSElog2[i] = LSE[i] * log2(e)
 
 and zeroes the whole fp32 dQ accumulator, padding rows included, because the
-main kernel only ever adds into it.
+main kernel only ever adds into it. For a main kernel that stores each query
+block's first dQ partial (``zero_dq=False``, Note [dQ store first] in dq_layout.py)
+it leaves dQaccum alone and zeroes that kernel's per-query-block semaphores instead
+(``sem_tile_m``).
 
 The kernel is architecture neutral (plain vectorized global loads and stores,
 warp shuffles): the same code compiles for sm_90a and sm_100a. It is memory
@@ -223,7 +226,7 @@ class FlashBwdPreprocess:
     """
 
     def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None,
-                 use_pdl: bool = False):
+                 use_pdl: bool = False, zero_dq: bool = True, sem_tile_m: int | None = None):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:
@@ -237,6 +240,13 @@ class FlashBwdPreprocess:
         # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
         self.use_pdl = use_pdl
         self.tile_m, self.num_threads = preprocess_tiling(head_dim_v)
+        # zero_dq False: dQaccum is not touched (the main kernel stores each query
+        # block's first partial). sem_tile_m: the call takes mdQsem, (B, Hq,
+        # ceil(Sq / sem_tile_m)) int32, and zeroes it (the main kernel's query tile).
+        self.zero_dq = zero_dq
+        self.sem_tile_m = sem_tile_m
+        if sem_tile_m is not None and sem_tile_m < 1:
+            raise ValueError(f"sem_tile_m must be positive, got {sem_tile_m}")
         assert SEQLEN_Q_PAD % self.tile_m == 0
         assert self.tile_m <= self.num_threads  # one thread per row moves LSE
         # The zeroing copy moves 4 floats per thread per step over a flat tile.
@@ -252,8 +262,13 @@ class FlashBwdPreprocess:
         mdLSE: cute.Tensor,  # (B, Hq, Sq) f32, cotangent of LSE
         mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed (zero_dq)
+        mdQsem: cute.Tensor | None = None,  # (B, Hq, ceil(Sq / sem_tile_m)) int32, out: 0
     ):
+        if const_expr((mdQsem is None) != (self.sem_tile_m is None)):
+            raise TypeError("mdQsem comes with sem_tile_m, and only then")
+        if const_expr(mdQsem is not None and mdQsem.element_type != cutlass.Int32):
+            raise TypeError("the dQ semaphores must be int32")
         if const_expr(mO.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("O and dO must have the kernel's dtype")
         for t in (mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum):
@@ -283,8 +298,9 @@ class FlashBwdPreprocess:
         )
         # Sq_pad / tile_m blocks cover every row of dQaccum; blocks past Sq only zero.
         grid = (cute.ceil_div(s_pad, self.tile_m), h, b)
+        sdQsem = None if const_expr(mdQsem is None) else bhs_view(mdQsem)  # (num_m, Hq, B)
         self.kernel(
-            sO, sdO, sLSE, sdLSE, sDpsum, sLSElog2, sdQaccum, copy_o, copy_zero, tpr
+            sO, sdO, sLSE, sdLSE, sDpsum, sLSElog2, sdQaccum, sdQsem, copy_o, copy_zero, tpr
         ).launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
                  use_pdl=self.use_pdl)
 
@@ -298,6 +314,7 @@ class FlashBwdPreprocess:
         mDpsum: cute.Tensor,  # (Sq, Hq, B)
         mLSElog2: cute.Tensor,  # (Sq, Hq, B)
         mdQaccum: cute.Tensor,  # (Sq_pad * D, Hq, B)
+        mdQsem: cute.Tensor | None,  # (ceil(Sq / sem_tile_m), Hq, B) int32 (sem_tile_m)
         copy_o: cute.TiledCopy,
         copy_zero: cute.TiledCopy,
         threads_per_row: cutlass.Constexpr[int],
@@ -336,15 +353,24 @@ class FlashBwdPreprocess:
                 cute.copy(copy_o, tOgO[None, m, None], tOrO[None, m, None])
                 cute.copy(copy_o, tOgdO[None, m, None], tOrdO[None, m, None])
 
-        # Zero this block of dQaccum while the loads are in flight.
-        gdQaccum = cute.local_tile(
-            mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
-        )
-        thr_zero = copy_zero.get_slice(tidx)
-        tZgZ = thr_zero.partition_D(gdQaccum)
-        tZrZ = cute.make_rmem_tensor_like(tZgZ)
-        tZrZ.fill(0.0)
-        cute.copy(copy_zero, tZrZ, tZgZ)
+        if const_expr(self.zero_dq):
+            # Zero this block of dQaccum while the loads are in flight.
+            gdQaccum = cute.local_tile(
+                mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
+            )
+            thr_zero = copy_zero.get_slice(tidx)
+            tZgZ = thr_zero.partition_D(gdQaccum)
+            tZrZ = cute.make_rmem_tensor_like(tZgZ)
+            tZrZ.fill(0.0)
+            cute.copy(copy_zero, tZrZ, tZgZ)
+        if const_expr(self.sem_tile_m is not None):
+            # The semaphores of the main kernel's query blocks that start in this
+            # block's rows, one thread each (a block of Sq_pad holds all of them).
+            first = (m_block * tile_m + self.sem_tile_m - 1) // self.sem_tile_m
+            end = ((m_block + 1) * tile_m + self.sem_tile_m - 1) // self.sem_tile_m
+            j = first + tidx
+            if j < end and j < mdQsem.shape[0]:
+                mdQsem[j, head, batch] = cutlass.Int32(0)
 
         # LSE in base 2: one thread per row, coalesced; +inf on padding rows.
         if tidx < tile_m:

@@ -162,6 +162,24 @@ def stat_rows_view(t: cute.Tensor, row_multiple: int) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout((s, h, b), stride=(1, s, head_stride)))
 
 
+def _bulk_s2g(ptx: str, dst: cute.Pointer, src: cute.Pointer, num_bytes: int, loc, ip):
+    """One 1-D bulk copy instruction ``ptx`` [dst], [src], num_bytes from SMEM to
+    global memory, in the calling thread's bulk async-group."""
+    if num_bytes % 16:
+        raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
+    llvm.inline_asm(
+        None,
+        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        f"{ptx} [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @dsl_user_op
 def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *, loc=None,
                         ip=None) -> None:
@@ -171,19 +189,16 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
     addresses 16-byte aligned, num_bytes a multiple of 16. Issue it from one thread:
     every thread that executes it adds once. The DSL has the tensor-map form of
     this instruction only."""
-    if num_bytes % 16:
-        raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
-    llvm.inline_asm(
-        None,
-        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _bulk_s2g("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", dst, src,
+              num_bytes, loc, ip)
+
+
+@dsl_user_op
+def bulk_store(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *, loc=None,
+               ip=None) -> None:
+    """dst[:] = src[:]: ``bulk_reduce_add_f32``'s plain-copy twin (any element type),
+    with the same alignment rules and async-group."""
+    _bulk_s2g("cp.async.bulk.global.shared::cta.bulk_group", dst, src, num_bytes, loc, ip)
 
 
 class DqSemaphoreCall:
@@ -239,12 +254,21 @@ def semaphore_wait(ptr: cute.Pointer, value) -> None:
 
 
 @cute.jit
-def semaphore_release_after_bulk(ptr: cute.Pointer) -> None:
+def semaphore_wait_at_least(ptr: cute.Pointer, value) -> None:
+    """``semaphore_wait`` until the int32 at ``ptr`` is at least ``value``."""
+    done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    while done < value:
+        done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def semaphore_release_after_bulk(ptr: cute.Pointer, value: cutlass.Constexpr[int] = 1) -> None:
     """Wait until this thread's bulk groups have landed in global memory (not only
-    read SMEM), then increment the int32 at ``ptr`` with a GPU-scope release."""
+    read SMEM), then add ``value`` to the int32 at ``ptr`` with a GPU-scope release."""
     cute.arch.cp_async_bulk_wait_group(0, read=False)
     cute.arch.fence_proxy("async.global")
-    cute.arch.atomic_add(ptr, Int32(1), sem="release", scope="gpu")
+    cute.arch.atomic_add(ptr, Int32(value), sem="release", scope="gpu")
 
 
 def stmatrix_acc(acc16: cute.Tensor, tiled_mma: cute.TiledMma, smem: cute.Tensor, tidx,

@@ -32,6 +32,24 @@ are otherwise the same.
 
 The deterministic backwards (sm90 and sm100) fix the order in which a query block's
 dQ partials are added: ``det_key_block`` and ``det_add_rank`` below.
+
+Note [dQ store first]
+~~~~~~~~~~~~~~~~~~~~~
+Zeroing dQaccum costs the preprocess a write of the whole fp32 accumulator (128 MiB
+at 16k tokens x 2048 wide, about 40% of that kernel's traffic). The sm90 backward
+at hdim 64 / 128 (``dq_store_first``) needs no zeroed accumulator: the first dQ
+partial of each query block is stored with a plain bulk copy, and only the later
+ones are added. The query block's int32 semaphore (zeroed by the preprocess) orders
+them. Not deterministic: the dQ warp takes a ticket (an atomic add of 1) once its
+partial is in SMEM. Ticket 0 stores, waits until the store has landed in global
+memory and adds ``DQ_STORED``; every other ticket waits (acquire) until the
+semaphore reaches ``DQ_STORED`` and then reduce-adds. Only the dQ warp waits, and only
+on a CTA that is running (it took ticket 0), which never waits on another. The
+deterministic backward's semaphore already orders the adds: rank 0 stores.
+Every query block below Sq gets a partial (key block 0 reaches all of them, Sk >= 1),
+so every block the postprocess reads has been written. The rows of a block past Sq
+are stored as exact zeros (Note [Tails without predicates], sm90_bwd.py); the rows
+of Sq_pad past the last block are never written or read.
 """
 
 from __future__ import annotations
@@ -39,6 +57,9 @@ from __future__ import annotations
 import numpy as np
 
 WG_THREADS = 128
+# Added to a query block's dQ semaphore once its first partial has been stored
+# (Note [dQ store first]); the tickets before it count up from 0, far below.
+DQ_STORED = 1 << 24
 VEC = 4  # floats per 128-bit store
 
 
@@ -98,7 +119,7 @@ def unflatten_dq_accum(acc, tile_m: int, num_wg: int = 2):
     return jnp.concatenate([out, acc[:, :, whole:]], axis=2)
 
 
-__all__ = ["flat_dq_rowcol", "unflatten_dq_accum"]
+__all__ = ["DQ_STORED", "flat_dq_rowcol", "unflatten_dq_accum"]
 
 
 def det_key_block(block, num_n_blocks, causal: bool):

@@ -11,7 +11,9 @@ Warp roles (384 threads; the load warp, the work list and the joint dQ hand-off 
 shared with the hdim 256 kernel in sm90_bwd_common.py):
   warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
                         query block, one pipeline stage each)
-                warp 1: bulk reduce-add of the dQ partial into mdQaccum
+                warp 1: bulk reduce-add of the dQ partial into mdQaccum (or, with
+                        dq_store_first, a bulk store of each query block's first
+                        partial: Note [dQ store first] in dq_layout.py)
   warpgroups 1-2: the five GEMMs (wgmma) and the pointwise softmax backward
 
 Per query block the MMA warpgroups compute the transposed scores, each warpgroup
@@ -62,12 +64,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
     bulk_reduce_add_f32,
+    bulk_store,
     consumer_release_elected,
     convert_to_operand_a,
     init_bwd_kernel,
     pdl_start,
     semaphore_release_after_bulk,
     semaphore_wait,
+    semaphore_wait_at_least,
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
@@ -75,7 +79,7 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
-from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
+from jax_fa4.kernels.dq_layout import DQ_STORED, det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_mma_shape, dq_tiled_mma
 from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile, sm_count
 from jax_fa4.kernels.softmax import acc_mn_view
@@ -210,6 +214,22 @@ class BwdTiles:
     # 1.020x non-causal, 0.999x causal, 0.957x at hdim 128 causal 16k; Nsight Compute
     # then had the hdim 64 non-causal main kernel at 0.964x flash-attn-4's time.
     stats_shuffle: bool = False
+    # With dq_store_first (not deterministic; else ignored): two SMEM buffers for the
+    # dQ partial,
+    # item it in buffer it % 2, so the MMA warpgroups write the next partial while
+    # the dQ warp still waits for a query block's first store to land (Note [dQ
+    # store first]). 32 KiB more SMEM (224-226 KiB at hdim 64 / 128).
+    dq_double: bool = False
+    # Non-causal, not deterministic: each CTA starts its walk at item
+    # n_block * num_iters // num_n_blocks of the work list and wraps around, so the
+    # key blocks of one head visit different query blocks at any time instead of all
+    # the same one. Their dQ partials of a query block then arrive spread over the
+    # walk (no queue of reduce-adds on one tile; with dq_store_first, the first store
+    # has landed before the next key block gets there). Q / dO of a head stay in L2.
+    rotate_walk: bool = False
+    # The backward runs as FlashBwdSm90StoreFirst (the lowering reads this; Note [dQ
+    # store first]): the preprocess zeroes per-query-block semaphores, not dQaccum.
+    dq_store_first: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -266,7 +286,7 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
                     lse_early=lse_early, dpsum_early=dpsum_early,
                     dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top,
                     elect_release=elect_release, stats_by_thread=stats_by_thread,
-                    stats_shuffle=stats_shuffle)
+                    stats_shuffle=stats_shuffle, dq_double=True)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
@@ -395,10 +415,14 @@ class FlashBwdSm90(Sm90BwdCommon):
         tiles: BwdTiles | None = None,
         deterministic: bool = False,
         use_pdl: bool = False,
+        dq_store_first: bool = False,
     ):
         init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
         self.deterministic = deterministic
+        # Each query block's first dQ partial is stored, not added, so dQaccum need
+        # not be zeroed (Note [dQ store first]); takes the dQ semaphores.
+        self.dq_store_first = dq_store_first
         # Launched with programmatic dependent launch (``pdl_start``).
         self.use_pdl = use_pdl
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
@@ -431,6 +455,14 @@ class FlashBwdSm90(Sm90BwdCommon):
         if t.persistent and (deterministic or not t.dq_flat or t.split_kv):
             raise ValueError("the persistent backward needs dq_flat, one K/V mbarrier "
                              "(split_kv off) and the non-deterministic mode")
+        if dq_store_first and (not t.dq_flat or t.persistent):
+            raise ValueError("dq_store_first needs the flat dQ accumulator (BwdTiles.dq_flat) "
+                             "and a CTA per key block (BwdTiles.persistent off)")
+        # BwdTiles.rotate_walk: non-causal, not deterministic (whose add order is fixed
+        # per query block), one CTA per key block.
+        self.rotate_walk = t.rotate_walk and not (causal or deterministic or t.persistent)
+        # BwdTiles.dq_double applies to the store-first, non-deterministic kernel only.
+        self.dq_bufs = 2 if t.dq_double and dq_store_first and not deterministic else 1
         self.num_sms = sm_count() if t.persistent else 0
         if t.stats_by_thread and self.tile_m not in (64, 128):
             raise ValueError(f"stats_by_thread needs tile_m 64 or 128, got {self.tile_m}")
@@ -485,9 +517,10 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
     ):
-        if const_expr(self.deterministic):
-            raise TypeError("the deterministic backward takes the dQ semaphores: call "
-                            "FlashBwdSm90Deterministic")
+        if const_expr(self.deterministic or self.dq_store_first):
+            raise TypeError("the deterministic and the store-first backward take the dQ "
+                            "semaphores: call FlashBwdSm90Deterministic / "
+                            "FlashBwdSm90StoreFirst")
         self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None)
 
     @cute.jit
@@ -496,7 +529,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: cute.Tensor | None):
         """The host side of ``__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)) int32,
-        zero at launch, with the deterministic backward, else None."""
+        zero at launch, with the deterministic or the store-first backward, else None."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
@@ -547,7 +580,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sdQ: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) * self.dq_bufs], 1024]
 
         self.check_smem(SharedStorage)
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
@@ -622,7 +656,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdQaccum: cute.Tensor,  # (Sq_pad, D, Hq, B) f32: TMA view, or plain if dq_flat
         mdK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
-        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic only)
+        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic, store first)
         lpt_divs: tuple | None,  # lpt_host_divisors (BwdTiles.lpt_host_div only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
@@ -678,7 +712,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         if const_expr(self.tiles.dq_flat):
-            sdQ = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(sdQ_layout)))
+            sdQ = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(sdQ_layout)
+                                                          * self.dq_bufs))
         else:
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
@@ -696,6 +731,8 @@ class FlashBwdSm90(Sm90BwdCommon):
                 pipe_qdo, pipe_kv, seqlen_q, seqlen_k)
             return
         group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
+        if const_expr(self.rotate_walk):
+            self.walk_rot = (n_block * num_iters // num_n_blocks, num_iters)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
@@ -766,7 +803,10 @@ class FlashBwdSm90(Sm90BwdCommon):
     def store_dq(self, mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks, head_kv, batch,
                  group, m_block_min, num_m, num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
-        if const_expr(self.tiles.dq_flat):
+        if const_expr(self.dq_store_first and not self.deterministic):
+            self.store_dq_flat_first(mdQaccum, mdQsem, sdQ, head_kv, batch, group,
+                                     m_block_min, num_m, num_iters)
+        elif const_expr(self.tiles.dq_flat):
             self.store_dq_flat(mdQaccum, mdQsem, sdQ, n_block, num_n_blocks, head_kv, batch,
                                group, m_block_min, num_m, num_iters)
         elif const_expr(not self.tiles.dq_per_wg):
@@ -821,31 +861,151 @@ class FlashBwdSm90(Sm90BwdCommon):
             for w in cutlass.range_constexpr(n_parts):
                 cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
                                          number_of_threads=nthr)
-            sem_ptr = None
             if const_expr(self.deterministic):
                 sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
                                                          mdQsem.layout)
                 rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
                                     self.causal, cutlass.min)
                 if lane == 0:
-                    # The bulk reduces below come after the acquire.
+                    # The bulk copies below come after the acquire.
                     semaphore_wait(sem_ptr, rank)
-            for w in cutlass.range_constexpr(n_parts):
-                cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+                    if lane == 0:
+                        if const_expr(self.dq_store_first):
+                            if rank == 0:
+                                bulk_store(gdQ.iterator + w * part, sdQ.iterator + w * part,
+                                           part * 4)
+                            else:
+                                bulk_reduce_add_f32(gdQ.iterator + w * part,
+                                                    sdQ.iterator + w * part, part * 4)
+                        else:
+                            bulk_reduce_add_f32(gdQ.iterator + w * part,
+                                                sdQ.iterator + w * part, part * 4)
+                        cute.arch.cp_async_bulk_commit_group()
                 if lane == 0:
-                    bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
-                                        part * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-            if lane == 0:
-                if const_expr(self.deterministic):
-                    # The adds land before the next key block may add.
+                    # The copies land before the next key block may add.
                     semaphore_release_after_bulk(sem_ptr)
-                else:
+            else:
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+                    if lane == 0:
+                        bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
+                                            part * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(final_wait):
             # The reduce-adds must land before the kernel ends.
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def store_dq_flat_first(self, mdQaccum, mdQsem, sdQ, head_kv, batch, group, m_block_min,
+                            num_m, num_iters):
+        """Warp 1, dq_flat with ``dq_store_first``, not deterministic (Note [dQ store
+        first]): per query block, a ticket from its semaphore; ticket 0 stores the
+        partial, every other ticket waits until that store has landed and adds.
+
+        The ticket is taken before the partial is ready (it needs no data), so its
+        round trip overlaps the GEMMs. Ticket 0 lets the MMA warpgroups write the
+        next partial once the store has read SMEM, and publishes the store
+        (``DQ_STORED``, after it has landed) at the top of the next item, or after
+        the walk. With ``BwdTiles.dq_double`` item it is in buffer it % 2, and the
+        MMA warpgroups may write item it + 1 while this warp waits on item it."""
+        tm, d = self.tile_m, self.head_dim
+        n_parts = self.num_mma_wg if const_expr(self.tiles.dq_per_wg) else 1
+        part = tm * d // n_parts
+        nthr = self.num_mma_threads // n_parts + 32
+        two = const_expr(self.dq_bufs == 2)
+        lane = cute.arch.lane_idx()
+        if const_expr(two):
+            if num_iters > 0:  # buffer 0 is free for item 0
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                             number_of_threads=nthr)
+        # The query block whose store this warp has yet to publish: (head, block), -1.
+        pend_h, pend_m = Int32(0), Int32(-1)
+        for it in cutlass.range(num_iters, unroll=1):
+            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
+            bar_off = Int32(0)
+            src = sdQ.iterator
+            if const_expr(two):
+                # The other buffer held item it - 1, which the bulk engine has read:
+                # item it + 1 may go there.
+                if it + 1 < num_iters:
+                    nxt = self.dq_buf_bar * ((it + 1) % 2)
+                    for w in cutlass.range_constexpr(n_parts):
+                        cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + nxt + w,
+                                                 number_of_threads=nthr)
+                bar_off = self.dq_buf_bar * (it % 2)
+                src = sdQ.iterator + (it % 2) * (tm * d)
+            else:
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                             number_of_threads=nthr)
+            if lane == 0:
+                if pend_m >= 0:
+                    semaphore_release_after_bulk(
+                        mdQsem.iterator + cute.crd2idx((batch, pend_h, pend_m), mdQsem.layout),
+                        DQ_STORED)
+            pend_m = Int32(-1)
+            sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block), mdQsem.layout)
+            ticket = Int32(0)
+            if lane == 0:
+                ticket = cute.arch.atomic_add(sem_ptr, Int32(1), sem="relaxed", scope="gpu")
+            ticket = cute.arch.shuffle_sync(ticket, 0)
+            if ticket == 0:
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w,
+                                      number_of_threads=nthr)
+                    if lane == 0:
+                        bulk_store(gdQ.iterator + w * part, src + w * part, part * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                pend_h, pend_m = head_q, m_block
+            else:
+                if lane == 0:
+                    # The reduce-adds below come after the acquire.
+                    semaphore_wait_at_least(sem_ptr, DQ_STORED)
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w,
+                                      number_of_threads=nthr)
+                    if lane == 0:
+                        bulk_reduce_add_f32(gdQ.iterator + w * part, src + w * part, part * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if lane == 0:
+            if pend_m >= 0:
+                semaphore_release_after_bulk(
+                    mdQsem.iterator + cute.crd2idx((batch, pend_h, pend_m), mdQsem.layout),
+                    DQ_STORED)
+            # The reduce-adds must land before the kernel ends.
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    # BwdTiles.dq_double: buffer b's barrier pair is (bar_dq_full, bar_dq_empty)
+    # + dq_buf_bar * b, per warpgroup part as with one buffer (IDs 6-9 for b = 1).
+    dq_buf_bar = 4
+
+    @cute.jit
+    def dq_handoff_double(self, r2s_dq, acc_dQ, tdQsdQ_bufs, buf, dq_bar_off, dq_threads):
+        """The MMA side of the dQ hand-off with two buffers: this item's buffer."""
+        acc = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ_bufs[0].shape))
+        if buf == 0:
+            cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                              number_of_threads=dq_threads)
+            cute.copy(r2s_dq, acc, tdQsdQ_bufs[0])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
+                                     number_of_threads=dq_threads)
+        else:
+            cute.arch.barrier(barrier_id=self.bar_dq_empty + self.dq_buf_bar + dq_bar_off,
+                              number_of_threads=dq_threads)
+            cute.copy(r2s_dq, acc, tdQsdQ_bufs[1])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + self.dq_buf_bar + dq_bar_off,
+                                     number_of_threads=dq_threads)
 
     @cute.jit
     def mma(self, mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
@@ -937,14 +1097,18 @@ class FlashBwdSm90(Sm90BwdCommon):
         if const_expr(self.tiles.dq_flat):
             # Warpgroup w's registers, 4 at a time, thread-interleaved, into floats
             # [w P, (w + 1) P) (Note [Flat dQ accumulator]).
+            # With dq_double, buffer b holds the items it with it % 2 == b.
             part = cute.size(thr_dq.partition_shape_C(dq_mma_shape(tm, d))) * 128
-            sdQ_wg = cute.make_tensor(sdQ.iterator,
-                                      cute.make_layout((part, self.num_mma_wg)))[None, wg_idx]
             r2s_dq = cute.make_tiled_copy_tv(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
                                     num_bits_per_copy=128),
                 cute.make_layout(128), cute.make_layout(4))
-            tdQsdQ = r2s_dq.get_slice(tidx % 128).partition_D(sdQ_wg)
+            tdQsdQ_bufs = [
+                r2s_dq.get_slice(tidx % 128).partition_D(cute.make_tensor(
+                    sdQ.iterator + b * part * self.num_mma_wg,
+                    cute.make_layout((part, self.num_mma_wg)))[None, wg_idx])
+                for b in range(self.dq_bufs)]
+            tdQsdQ = tdQsdQ_bufs[0]
         elif const_expr(self.tiles.dq_per_wg):
             # View the per-warpgroup parts (rows, cols, wg) as the whole (tile_m, d)
             # tile, so that each thread's dQ elements land in its warpgroup's part.
@@ -1090,16 +1254,20 @@ class FlashBwdSm90(Sm90BwdCommon):
 
             # dV and dQ done; dK may still run.
             warpgroup.wait_group(1)
-            cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
-                              number_of_threads=dq_threads)
-            if const_expr(self.tiles.dq_flat):
-                cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator,
-                                                   cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+            if const_expr(self.dq_bufs == 2):
+                self.dq_handoff_double(r2s_dq, acc_dQ, tdQsdQ_bufs, buf, dq_bar_off,
+                                       dq_threads)
             else:
-                cute.autovec_copy(acc_dQ, tdQsdQ)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
-                                     number_of_threads=dq_threads)
+                cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                                  number_of_threads=dq_threads)
+                if const_expr(self.tiles.dq_flat):
+                    cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator,
+                                                       cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+                else:
+                    cute.autovec_copy(acc_dQ, tdQsdQ)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
+                                         number_of_threads=dq_threads)
 
             warpgroup.wait_group(0)
             if const_expr(self.tiles.elect_release):
@@ -1158,3 +1326,14 @@ class FlashBwdSm90Deterministic(DqSemaphoreCall, FlashBwdSm90):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, deterministic=True, **kwargs)
+
+
+class FlashBwdSm90StoreFirst(DqSemaphoreCall, FlashBwdSm90):
+    """The sm90 backward (hdim 64/128, flat dQ) that needs no zeroed dQaccum: each
+    query block's first dQ partial is stored and the others wait for it, then add
+    (Note [dQ store first]). The call takes mdQsem after mdQaccum, (B, Hq,
+    ceil(Sq / tile_m)) int32, zero at launch (one ticket counter per query block;
+    the preprocess zeroes it, ``FlashBwdPreprocess(sem_tile_m=...)``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, dq_store_first=True, **kwargs)

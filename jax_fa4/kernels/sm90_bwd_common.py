@@ -152,9 +152,17 @@ class Sm90BwdCommon:
         num_m = m_block_max - m_block_min
         return group, m_block_min, num_m, num_m * group
 
-    @staticmethod
-    def work_item(it, head_kv, group, m_block_min, num_m):
-        """(query head, query block) of work item ``it``."""
+    # The CTA's walk rotation (BwdTiles.rotate_walk): None, or (rot, num_iters) as
+    # DSL values, set by the kernel before its roles split.
+    walk_rot = None
+
+    def work_item(self, it, head_kv, group, m_block_min, num_m):
+        """(query head, query block) of work item ``it`` (of the rotated walk, with
+        ``walk_rot``: item (it + rot) mod num_iters of the list)."""
+        if const_expr(self.walk_rot is not None):
+            rot, total = self.walk_rot
+            it = it + rot
+            it = cutlass.select_(it >= total, it - total, it)
         h_off = it // num_m
         return head_kv * group + h_off, m_block_min + it - h_off * num_m
 

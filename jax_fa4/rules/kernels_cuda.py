@@ -1,8 +1,9 @@
 """The CUDA lowering of the primitives: which kernels run, in which order.
 
 Forward: one kernel. Backward: preprocess (Dpsum, LSE in log2 units, zeroed
-fp32 dQ accumulator) -> main kernel (dK, dV; dQ accumulated in place) ->
-postprocess (dQ to 16-bit). Every tensor crosses the custom call in the
+fp32 dQ accumulator, or on sm_90a at head dims 64 / 128 zeroed per-query-block
+semaphores instead: Note [dQ store first]) -> main kernel (dK, dV; dQ accumulated
+in place) -> postprocess (dQ to 16-bit). Every tensor crosses the custom call in the
 `[B, S, H, D]` layout the user gave; no transposes are added around it.
 """
 
@@ -17,6 +18,7 @@ from jax_fa4.config import (
     AttentionConfig,
     KernelKey,
     deterministic_bwd_support_error,
+    dq_store_first_override,
     dtype_name,
     pdl_enabled,
 )
@@ -32,7 +34,11 @@ def unavailable(arch: str) -> str | None:
     return cutlass_available(arch)
 
 
-def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
+def _key(kind: str, arch: str, q, v, config: AttentionConfig,
+         dq_store_first: bool | None = None) -> KernelKey:
+    """The compile key of one kernel. dq_store_first: the main kernel's choice, which
+    its preprocess follows (None: the main kernels read the tile table, the others
+    say no)."""
     return KernelKey(
         kind=kind,
         arch=arch,
@@ -43,7 +49,24 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig) -> KernelKey:
         scale=float(config.scale),
         # The backward's three kernels form one PDL chain (``cute_utils.pdl_start``).
         pdl=kind != "fwd" and pdl_enabled(arch),
+        # The preprocess and the main kernel agree on who zeroes what
+        # (Note [dQ store first]); the postprocess is the same either way.
+        dq_store_first=(kind in ("bwd", "bwd_det") and _table_store_first(arch, q, config)
+                        if dq_store_first is None else dq_store_first),
     )
+
+
+def _table_store_first(arch: str, q, config: AttentionConfig) -> bool:
+    """Whether the backward main kernel stores each query block's first dQ partial
+    (Note [dQ store first]): ``$JAX_FA4_DQ_STORE_FIRST`` if set, else the sm90 tile
+    table."""
+    d = int(q.shape[-1])
+    override = dq_store_first_override(arch, d)
+    if override is not None:
+        return override
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    return bwd_tiles(d, config.causal).dq_store_first
 
 
 def _fwd_kernel(key: KernelKey):
@@ -160,8 +183,20 @@ def _pre_kernel(key: KernelKey):
     block = None
     if key.kind == "bwd_pre_by_thread":
         block = _stats_block(key.arch, key.head_dim, key.causal)
+    store_first = {}
+    if key.dq_store_first:  # dQaccum is left alone; the main kernel's semaphores zeroed
+        store_first = {"zero_dq": False, "sem_tile_m": _sem_tile_m(key)}
     return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim,
-                              stat_block=block, use_pdl=key.pdl)
+                              stat_block=block, use_pdl=key.pdl, **store_first)
+
+
+def _sem_tile_m(key: KernelKey) -> int:
+    """The query tile of the backward main kernel's per-query-block dQ semaphores."""
+    if key.arch == "sm_90a":
+        from jax_fa4.kernels.sm90_bwd import bwd_tiles
+    else:
+        from jax_fa4.kernels.sm100_bwd import bwd_tiles
+    return bwd_tiles(key.head_dim, key.causal).tile_m
 
 
 def _bwd_kernel(key: KernelKey):
@@ -173,15 +208,19 @@ def _bwd_kernel(key: KernelKey):
         raise NotImplementedError(f"no deterministic backward kernel for {key.arch}")
     elif key.arch == "sm_90a" and key.head_dim == 256:
         from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
+    elif key.arch == "sm_90a" and key.dq_store_first:
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90StoreFirst as Kernel
     elif key.arch == "sm_90a":
         from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
     elif key.arch == "sm_100a":  # compiled, not run on hardware
         from jax_fa4.kernels.sm100_bwd import FlashBwdSm100 as Kernel
     else:
         raise NotImplementedError(f"no backward kernel for {key.arch}")
-    pdl = {"use_pdl": True} if key.pdl else {}  # sm_90a only (config.pdl_enabled)
+    extra = {"use_pdl": True} if key.pdl else {}  # sm_90a only (config.pdl_enabled)
+    if key.kind == "bwd_det" and key.dq_store_first:  # sm_90a only (dq_store_first_enabled)
+        extra["dq_store_first"] = True
     return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale,
-                  **pdl)
+                  **extra)
 
 
 def _flat_dq_tile_m(arch: str, head_dim: int, causal: bool) -> int | None:
@@ -227,38 +266,42 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     ws_structs = tuple(
         jax.ShapeDtypeStruct(ws[name][0], ws[name][1]) for name in ("Dpsum", "LSElog2", "dQaccum")
     )
+    main_key = _key("bwd_det" if deterministic else "bwd", arch, q, v, config)
     # Arch-neutral pre/post kernels: key them without the mask and scale they ignore,
-    # unless the main kernel's tiles for this mask want the statistics by thread.
-    if _stats_block(arch, d, config.causal) is None:
-        pre_key = _key("bwd_pre", arch, q, v, AttentionConfig(scale=1.0, causal=False))
-    else:
-        pre_key = _key("bwd_pre_by_thread", arch, q, v,
-                       AttentionConfig(scale=1.0, causal=config.causal))
-    dpsum, lse_log2, dq_accum = kernel_call(
+    # unless the main kernel's tiles for this mask want the statistics by thread or
+    # its query tile sizes the semaphores the preprocess zeroes.
+    pre_kind = "bwd_pre" if _stats_block(arch, d, config.causal) is None else "bwd_pre_by_thread"
+    pre_causal = pre_kind == "bwd_pre_by_thread" or main_key.dq_store_first
+    pre_key = _key(pre_kind, arch, q, v,
+                   AttentionConfig(scale=1.0, causal=pre_causal and config.causal),
+                   dq_store_first=main_key.dq_store_first)
+    pre_outs, pre_static = ws_structs, (_BHS, _BHS, _BSHD)
+    needs_sem = deterministic or main_key.dq_store_first
+    sem_shape = (b, hq, -(-sq // _sem_tile_m(main_key))) if needs_sem else None
+    if main_key.dq_store_first:
+        # The main kernel's per-query-block semaphores, zeroed by the preprocess.
+        pre_outs += (jax.ShapeDtypeStruct(sem_shape, jax.numpy.int32),)
+        pre_static += (_BHS,)
+    pre = kernel_call(
         pre_key,
         functools.partial(_pre_kernel, pre_key),
         (out, dout, lse, dlse),
-        ws_structs,
+        pre_outs,
         in_static=(_BSHD, _BSHD, _BHS, _BHS),
-        out_static=(_BHS, _BHS, _BSHD),
+        out_static=pre_static,
     )
-    main_key = _key("bwd_det" if deterministic else "bwd", arch, q, v, config)
+    dpsum, lse_log2, dq_accum = pre[:3]
     inputs = (q, k, v, dout, lse_log2, dpsum, dq_accum)
     outs = (ws_structs[2], jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype))
     in_static = (_BSHD, _BSHD, _BSHD, _BSHD, _BHS, _BHS, _BSHD)
     out_static, aliases = (_BSHD, _BSHD, _BSHD), {6: 0}
-    if deterministic:
-        # One zeroed int32 semaphore per query block, updated in place and dropped.
-        if arch == "sm_90a":
-            from jax_fa4.kernels.sm90_bwd import bwd_tiles
-        else:
-            from jax_fa4.kernels.sm100_bwd import bwd_tiles
-
-        tile_m = bwd_tiles(d, config.causal).tile_m
-        sem = jax.numpy.zeros((b, hq, -(-sq // tile_m)), jax.numpy.int32)
+    if needs_sem:
+        # One int32 semaphore per query block, zero at launch (from the preprocess,
+        # or a fresh XLA zero), updated in place and dropped.
+        sem = pre[3] if main_key.dq_store_first else jax.numpy.zeros(sem_shape, jax.numpy.int32)
         inputs, in_static = inputs + (sem,), in_static + (_BHS,)
-        outs, out_static = outs + (jax.ShapeDtypeStruct(sem.shape, sem.dtype),), out_static + (
+        outs, out_static = outs + (jax.ShapeDtypeStruct(sem_shape, sem.dtype),), out_static + (
             _BHS,)
         aliases[7] = 3
     dq_accum, dk, dv = kernel_call(
