@@ -215,20 +215,24 @@ class BwdTiles:
     # then had the hdim 64 non-causal main kernel at 0.964x flash-attn-4's time.
     stats_shuffle: bool = False
     # With dq_store_first (not deterministic; else ignored): two SMEM buffers for the
-    # dQ partial,
-    # item it in buffer it % 2, so the MMA warpgroups write the next partial while
-    # the dQ warp still waits for a query block's first store to land (Note [dQ
-    # store first]). 32 KiB more SMEM (224-226 KiB at hdim 64 / 128).
+    # dQ partial, item it in buffer it % 2, so the MMA warpgroups write the next
+    # partial while the dQ warp still waits for a query block's first store to land
+    # (Note [dQ store first]). 32 KiB more SMEM (224-226 KiB at hdim 64 / 128; an
+    # 80-row tile does not fit). In the table, so that JAX_FA4_DQ_STORE_FIRST=1 runs
+    # the measured v3 (docs/performance.md, twentieth session).
     dq_double: bool = False
-    # Non-causal, not deterministic: each CTA starts its walk at item
-    # n_block * num_iters // num_n_blocks of the work list and wraps around, so the
-    # key blocks of one head visit different query blocks at any time instead of all
-    # the same one. Their dQ partials of a query block then arrive spread over the
-    # walk (no queue of reduce-adds on one tile; with dq_store_first, the first store
-    # has landed before the next key block gets there). Q / dO of a head stay in L2.
+    # Non-causal, not deterministic (off: not faster, twentieth session): each CTA
+    # starts its walk at item n_block * num_iters // num_n_blocks of the work list
+    # and wraps around, so the key blocks of one head visit different query blocks
+    # at any time instead of all the same one. Their dQ partials of a query block
+    # then arrive spread over the walk (no queue of reduce-adds on one tile; with
+    # dq_store_first, the first store has landed before the next key block gets
+    # there). Q / dO of a head stay in L2.
     rotate_walk: bool = False
     # The backward runs as FlashBwdSm90StoreFirst (the lowering reads this; Note [dQ
     # store first]): the preprocess zeroes per-query-block semaphores, not dQaccum.
+    # Off: on the H200, +1.6-2.9% at 1k tokens, 3-5% slower at 4k-16k (twentieth
+    # session): the waits for each query block's first store stall the dQ hand-off.
     dq_store_first: bool = False
 
 
