@@ -135,7 +135,8 @@ KNOBS = {"pers": ("persistent", True), "nopers": ("persistent", False),
          "bits": ("mask_bitmask", True), "nobits": ("mask_bitmask", False),
          "qfm": ("quad_fmax", True), "noqfm": ("quad_fmax", False),
          "rfm": ("row_fmax", True), "norfm": ("row_fmax", False),
-         "qreg": ("q_in_regs", True), "noqreg": ("q_in_regs", False)}
+         "qreg": ("q_in_regs", True), "noqreg": ("q_in_regs", False),
+         "mc2": ("cluster_m", 2), "mc1": ("cluster_m", 1)}
 
 
 def tile_variant(spec: str) -> dict:
@@ -158,13 +159,17 @@ def tile_variant(spec: str) -> dict:
 def resolve(overrides, d: int, causal: bool):
     """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
     for this head dim and mask); None for the default; False where the variant
-    does not serve the mask (lpt, merge: causal only; split_tail: non-causal only)."""
+    does not serve the mask (lpt, merge: causal only; split_tail, cluster_m 2:
+    non-causal only)."""
     if overrides is None:
         return None
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
+    if (tiles.split_tail or tiles.elect_release) and "cluster_m" not in overrides:
+        # Neither serves the table's K/V multicast: one CTA per cluster then.
+        tiles = dataclasses.replace(tiles, cluster_m=1)
     if (tiles.lpt or tiles.merge_diagonal_loop) and not causal:
         return False
-    if tiles.split_tail and causal:
+    if (tiles.split_tail or tiles.cluster_m > 1) and causal:
         return False
     return tiles
 
@@ -273,6 +278,7 @@ def main() -> int:
         "qfm / noqfm (the row max's quad shuffles with fmax or NaN-propagating), "
         "rfm / norfm (the thread's columns max-reduced with fmax in four chains or not), "
         "qreg / noqreg (Q as the register operand of S = Q K^T, hdim 128), "
+        "mc2 / mc1 (non-causal: K/V multicast in clusters of 2 CTAs, or none), "
         "joined with +",
     )
     ap.add_argument(

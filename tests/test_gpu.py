@@ -259,7 +259,8 @@ def test_forward_split_tail(shape, d, parts):
 
     b, sq, sk, hq, hkv = shape
     dtype = jnp.bfloat16
-    tiles = dataclasses.replace(fwd_tiles(d, d, False), split_tail=True)
+    # Without the table's K/V multicast, which the split tail does not serve.
+    tiles = dataclasses.replace(fwd_tiles(d, d, False), split_tail=True, cluster_m=1)
     kernel = make_fwd_sm90(dtype, d, d, False, tiles=tiles)
     assert isinstance(kernel, FlashFwdSm90Split)
     total = -(-sq // tiles.tile_m) * hq * b
@@ -317,6 +318,8 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     # Q as the register operand of S = Q K^T (hdim 128).
     "q_in_regs": (False, {"q_in_regs": True}),
     "q_in_regs_causal": (True, {"q_in_regs": True}),
+    # K/V multicast in clusters of 2 CTAs (Note [K/V multicast]).
+    "multicast": (False, {"cluster_m": 2}),
 }
 
 
@@ -343,6 +346,10 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("q_in_regs", (1, 1, 1, 1, 1), 128), ("q_in_regs", (2, 1000, 999, 8, 2), 128),
     ("q_in_regs", (2, 2000, 2000, 8, 2), 128), ("q_in_regs_causal", (2, 113, 203, 4, 4), 128),
     ("q_in_regs_causal", (3, 3000, 3000, 8, 2), 128),
+    ("multicast", (1, 1, 1, 1, 1), 128), ("multicast", (2, 1000, 999, 8, 2), 128),
+    ("multicast", (1, 4097, 4097, 4, 1), 128), ("multicast", (3, 3000, 3000, 8, 2), 128),
+    ("multicast", (2, 2000, 1999, 6, 2), 64), ("multicast", (2, 1000, 999, 8, 2), 256),
+    ("multicast", (1, 300, 200, 2, 1), 256),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -364,7 +371,11 @@ def test_forward_tile_order_knobs(knob, shape, d):
     chains, the old max folded in before the shuffles; hdim 64 / 128 / 256.
     q_in_regs (hdim 128, not yet run when added): Q loaded into registers once per
     tile (ldmatrix) as the A operand of S = Q K^T, the Q buffer released at once;
-    one tile, fewer and more tiles than SMs, both masks."""
+    one tile, fewer and more tiles than SMs, both masks. multicast (not yet run
+    when added): clusters of 2 CTAs sharing each K / V block through multicast
+    TMA, at hdim 64 / 128 (persistent) and 256 (one CTA per tile); odd query-block
+    counts (1, 33, 11, 3), where the last cluster's second CTA runs past the end,
+    and 192 cluster units over 66 clusters."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90

@@ -107,7 +107,9 @@ def test_fwd_persistent_knob_compiles(tmp_path, d):
     to have read it before the consumers write it again, not right after the store."""
     import dataclasses
 
-    tiles = dataclasses.replace(fwd_tiles(d, d, False), persistent=True)
+    # One CTA per cluster: with K/V multicast (the table's at 128) every thread
+    # also meets the cluster barrier before EXIT (test_fwd_kv_multicast_knob).
+    tiles = dataclasses.replace(fwd_tiles(d, d, False), persistent=True, cluster_m=1)
     ins, outs = fwd_structs(2, 113, 203, 8, 2, d, jnp.bfloat16)
     dump = tmp_path / "dump"
     text = lower(lambda: FlashFwdSm90(jnp.bfloat16, d, d, False, tiles=tiles), "sm_90a", ins,
@@ -268,13 +270,14 @@ def test_fwd_split_tail_knob(tmp_path, d):
 
     got = {}
     for on in (False, True):
-        _, sass = _knob_sass(tmp_path, f"split_{on}", d, False, split_tail=on)
+        # K/V multicast (the table's at 128) does not serve the split tail.
+        _, sass = _knob_sass(tmp_path, f"split_{on}", d, False, split_tail=on, cluster_m=1)
         got[on] = (sass.count("ATOMG.E.ADD.STRONG.GPU"), "MEMBAR.ALL.GPU" in sass,
                    sass.count("DEPBAR.LE gsb0, 0x0"))
     assert got[False][:2] == (0, False) and got[True][:2] == (1, True), got
     assert got[True][2] == got[False][2], got
     assert isinstance(make_fwd_sm90(jnp.bfloat16, d, d, False, tiles=dataclasses.replace(
-        fwd_tiles(d, d, False), split_tail=True)), FlashFwdSm90Split)
+        fwd_tiles(d, d, False), split_tail=True, cluster_m=1)), FlashFwdSm90Split)
     for causal, over in ((True, {}), (False, {"persistent": False})):
         tiles = dataclasses.replace(fwd_tiles(d, d, causal), split_tail=True, **over)
         with pytest.raises(ValueError, match="split_tail"):
@@ -427,7 +430,8 @@ def test_fwd_elect_release_knob(tmp_path):
     import re
 
     def lane_tests(on: bool) -> int:
-        _, sass = _knob_sass(tmp_path, f"elect_{on}", 128, False, elect_release=on)
+        _, sass = _knob_sass(tmp_path, f"elect_{on}", 128, False, elect_release=on,
+                             cluster_m=1)
         walk = sass[sass.index("HGMMA"):sass.rindex("HGMMA")]
         assert ("ELECT" in walk) == on
         return len(re.findall(r"LOP3\.LUT P\d, RZ, R\d+, 0x1f,", walk))
@@ -672,3 +676,44 @@ def test_fwd_q_in_regs_knob(tmp_path, causal):
         with pytest.raises(ValueError, match="q_in_regs"):
             FlashFwdSm90(jnp.bfloat16, d, d, causal,
                          tiles=dataclasses.replace(fwd_tiles(d, d, causal), q_in_regs=True))
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_fwd_kv_multicast_knob(tmp_path, d):
+    """Sm90FwdTiles.cluster_m (Note [K/V multicast]; the table's at hdim 128 / 256
+    non-causal since the twenty-first session): with 2, every K / V load is a
+    multicast TMA (UTMALDG ... MULTICAST) and Q's stay plain, consumer releases of
+    K / V stages go to both CTAs' barriers (remote arrives, .RED), and the CTAs
+    meet at a cluster barrier at the start and before they exit; with 1 none of
+    that. No spills, as many HGMMAs. Refused where the cluster's CTAs would not
+    walk the same key blocks."""
+    import dataclasses
+
+    from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
+
+    table = {(x, c): fwd_tiles(x, x, c).cluster_m for x in (64, 128, 256)
+             for c in (False, True)}
+    assert table == {(x, c): 2 if x >= 128 and not c else 1 for x, c in table}, table
+    got = {}
+    for c in (1, 2):
+        _, sass = _knob_sass(tmp_path, f"mc{c}_{d}", d, False, cluster_m=c)
+        loads = re.findall(r"UTMALDG\.\w+(\.MULTICAST)? ", sass)
+        got[c] = (sum(bool(x) for x in loads), sum(not x for x in loads),
+                  len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.RED", sass)),
+                  sass.count("UCGABAR_ARV"), sass.count("UCGABAR_WAIT"),
+                  len(re.findall(r"HGMMA\.", sass)))
+    # (multicast loads, plain loads, remote arrives, cluster arrives, waits, HGMMAs)
+    assert got[1][0] == got[1][2] == got[1][3] == got[1][4] == 0, got
+    # Q stays a plain load; each K / V load of the one-CTA kernel is now multicast.
+    assert got[2][0] == got[1][1] - got[2][1], got
+    assert got[2][1] > 0 and got[2][2] > 0, got
+    assert got[2][3] == got[2][4] == 2, got
+    assert got[2][5] == got[1][5], got
+    base = fwd_tiles(d, d, False)
+    for bad in ({"cluster_m": 3}, {"cluster_m": 2, "elect_release": True},
+                {"cluster_m": 2, "split_tail": True, "persistent": True}):
+        with pytest.raises(ValueError, match="cluster_m|K/V multicast"):
+            make_fwd_sm90(jnp.bfloat16, d, d, False, tiles=dataclasses.replace(base, **bad))
+    with pytest.raises(ValueError, match="K/V multicast"):
+        make_fwd_sm90(jnp.bfloat16, d, d, True,
+                      tiles=dataclasses.replace(fwd_tiles(d, d, True), cluster_m=2))

@@ -85,6 +85,25 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # by the point ptxas picked. At hdim 64 ptxas sinks the exp2s below the branch
 # and the pin has no effect.
 
+# Note [K/V multicast]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Non-causal with cluster_m = 2: the grid is launched in clusters of two CTAs
+# along x. A cluster's CTAs take query blocks 2c and 2c + 1 of one head (the
+# persistent walk counts in clusters: unit u is (pair, head, batch), rank r takes
+# block 2 pair + r), so both walk the same K / V blocks in the same order. The
+# load warp of rank r issues rows [r tile_n / 2, (r + 1) tile_n / 2) of each K and
+# V block as a multicast TMA into the same stage of both CTAs; each CTA's full
+# barrier still expects the whole block's bytes (half from each load warp). A
+# stage is free again only when the consumers of both CTAs are done with it: every
+# consumer warp releases it on both CTAs' empty barriers (lane r arrives at rank
+# r), so the empty barrier counts 2 x consumer warps. Q and O stay per CTA; Q's
+# stage is released locally. Where the head has an odd number of query blocks the
+# last cluster's second CTA runs a block past the end: TMA fills its Q with zeros,
+# the O store is clipped and LSE rows >= seqlen_q are not written. Both CTAs meet
+# at a cluster barrier before they exit, so that no multicast or remote arrive
+# targets a CTA that has left. What it saves: half of the K / V reads from L2 (at
+# hdim 128, 64 KiB of 96 KiB per key block and CTA).
+
 # Note [P conversion in the loop header]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # P's register fragment is written twice: after the first block's softmax, before
@@ -239,6 +258,16 @@ class Sm90FwdTiles:
     # seventeenth session, x without it: 1k 1.031, 4k 1.021, 16k 1.014 / 1.017);
     # off for causal, where it measured level (1k 1.006, 4k 0.997, 16k 1.002).
     q_in_regs: bool = False
+    # Non-causal: CTAs in clusters of this many along the query blocks (1 or 2),
+    # FA3's choice at head dims >= 128 on Hopper. The CTAs of a cluster run
+    # adjacent query blocks of one head in step and share each K / V block: each
+    # loads 1 / cluster_m of its rows and multicasts them into every CTA of the
+    # cluster (Note [K/V multicast]). In the table at hdim 128 / 256 non-causal
+    # (twenty-first session, 1 s phases x 3 under the power cap, x without it:
+    # hdim 128 1k 1.034, 4k 1.011, 16k 1.009, hdim 256 8k 1.017, energy per FLOP
+    # 0.96-0.99); off at hdim 64 (8k: 0.964; 43 query blocks of 192 rows a head,
+    # so every head's last cluster runs one block past the end).
+    cluster_m: int = 1
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -378,7 +407,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     Softmax and operand knobs (see the Sm90FwdTiles fields for the figures): P's
     conversions pinned (pin_p) at hdim 64 / 128, the quad shuffles' plain fmax
     (quad_fmax) everywhere, the keep-bitmask causal mask at hdim 64, and Q as the
-    register operand of S = Q K^T (q_in_regs) at hdim 128 non-causal.
+    register operand of S = Q K^T (q_in_regs) at hdim 128 non-causal; K / V
+    multicast in clusters of two CTAs (cluster_m) at hdim 128 / 256 non-causal.
     """
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -422,6 +452,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         pin_p=d <= 128,
         quad_fmax=True,
         q_in_regs=not causal and head_dim == head_dim_v == 128,
+        cluster_m=1 if causal else 2,
     )
 
 
@@ -516,6 +547,16 @@ class FlashFwdSm90:
             raise ValueError("split_tail serves the persistent non-causal forward only")
         if t.lpt and not causal:
             raise ValueError("the LPT tile order serves the causal forward only")
+        self.cluster_m = t.cluster_m
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
+        if self.cluster_m > 1 and (causal or self.split or t.elect_release
+                                   or (t.tile_n // 2) % 8):
+            # Causal tiles of one head differ in length (and the dynamic scheduler
+            # hands them out one by one); the split tail's parts too.
+            raise ValueError("K/V multicast (cluster_m 2) serves the non-causal forward "
+                             "without split_tail or elect_release, with tile_n a "
+                             "multiple of 16")
         if t.q_in_regs and not (head_dim <= 128 and t.consumer_regs >= 240):
             # hdim 64's 160-register consumers spill with it; at 256 Q alone would
             # take 128 registers per thread.
@@ -599,12 +640,14 @@ class FlashFwdSm90:
         sO_layout = sm90_smem_layout(self.dtype, tm, dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
+        g2s_kv = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1
+                  else g2s)
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (tm, d))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (tn, d), 1
+            g2s_kv, mK, cute.select(sK_layout, mode=[0, 1]), (tn, d), self.cluster_m
         )
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (tn, dv), 1
+            g2s_kv, mV, cute.select(sV_layout, mode=[0, 1]), (tn, dv), self.cluster_m
         )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (tm, dv)
@@ -638,10 +681,13 @@ class FlashFwdSm90:
             raise ValueError(f"sm90 forward with {self.tiles} needs {smem_bytes} bytes of "
                              f"SMEM, more than the {_SM90_MAX_SMEM_BYTES} a CTA may use")
         seqlen_q = mQ.shape[0]
-        grid = (cute.ceil_div(seqlen_q, tm), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        c = self.cluster_m
+        # Clusters: the query blocks of a head rounded up to whole clusters.
+        grid = (cute.ceil_div(seqlen_q, tm * c) * c, cute.size(mQ.shape[2]),
+                cute.size(mQ.shape[3]))
         if cutlass.const_expr(self.persistent):
-            total = grid[0] * grid[1] * grid[2]
-            grid = (cutlass.min(total, self.num_sms), 1, 1)
+            total = grid[0] * grid[1] * grid[2] // c
+            grid = (cutlass.min(total, self.num_sms // c) * c, 1, 1)
         if cutlass.const_expr(self.tiles.lpt and not self.persistent):
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
         mCount, mPartO, mPartLSE = split_ws if cutlass.const_expr(self.split) else (None,) * 3
@@ -666,7 +712,8 @@ class FlashFwdSm90:
             tiled_mma_qk,
             tiled_mma_pv,
             SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[c, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -707,19 +754,35 @@ class FlashFwdSm90:
             pipeline.Agent.Thread, self.num_mma_threads // cute.arch.WARP_SIZE
         )
 
-        def tma_pipeline(mbar, num_stages, tx_count):
+        c = self.cluster_m
+
+        def tma_pipeline(mbar, num_stages, tx_count, shared=False):
+            if cutlass.const_expr(not shared or c == 1):
+                return pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbar.data_ptr(),
+                    num_stages=num_stages,
+                    producer_group=tma_thread,
+                    consumer_group=consumer_warps,
+                    tx_count=tx_count,
+                    defer_sync=True,
+                )
+            # K / V multicast into the cluster (Note [K/V multicast]): lane r of each
+            # consumer warp releases a stage at rank r.
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(),
                 num_stages=num_stages,
                 producer_group=tma_thread,
-                consumer_group=consumer_warps,
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, c * self.num_mma_threads // cute.arch.WARP_SIZE),
                 tx_count=tx_count,
+                cta_layout_vmnk=cute.make_layout((1, c, 1, 1)),
+                mcast_mode_mn=(0, 1),
                 defer_sync=True,
             )
 
         pipe_q = tma_pipeline(storage.mbar_q, 1, self.tx_bytes_q)
-        pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, self.tx_bytes_k)
-        pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, self.tx_bytes_v)
+        pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, self.tx_bytes_k, shared=True)
+        pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, self.tx_bytes_v, shared=True)
         pipe_sched = None
         if cutlass.const_expr(self.dynamic):
             # The load warp (all 32 lanes arrive) hands tile indices to every
@@ -732,7 +795,7 @@ class FlashFwdSm90:
                     pipeline.Agent.Thread, self.num_mma_threads),
                 defer_sync=True,
             )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(c, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -749,7 +812,7 @@ class FlashFwdSm90:
         group = mQ.shape[2] // mK.shape[2]
         head_kv = head // group
         n_block_max = self.n_block_max(m_block, seqlen_k)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(c, 1))
 
         # Pipeline states live across the tiles of a persistent CTA.
         kv_prod = pipeline.make_pipeline_state(
@@ -781,9 +844,10 @@ class FlashFwdSm90:
                             t_head // group, t_batch, n_hi, n_lo=n_lo)
                 elif cutlass.const_expr(self.persistent):
                     num_m, total = self.tile_count(mQ)
-                    for t in cutlass.range(cute.arch.block_idx()[0], total,
-                                           cute.arch.grid_dim()[0], unroll=1):
+                    for t in cutlass.range(self.first_unit(), total, self.unit_step(),
+                                           unroll=1):
                         t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        t_m = self.cta_block(t_m)
                         q_prod, kv_prod = self.load(
                             mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                             pipe_q, pipe_k, pipe_v, q_prod, kv_prod, t_m, t_head,
@@ -831,9 +895,10 @@ class FlashFwdSm90:
                             seqlen_q, seqlen_k, n_hi, first_turn=False, n_lo=n_lo,
                             part=(mCount, mPartO, mPartLSE, flag, is_part, v, parts))
                 else:
-                    for t in cutlass.range(cute.arch.block_idx()[0], total,
-                                           cute.arch.grid_dim()[0], unroll=1):
+                    for t in cutlass.range(self.first_unit(), total, self.unit_step(),
+                                           unroll=1):
                         t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
+                        t_m = self.cta_block(t_m)
                         q_cons, kv_cons = self.consume(
                             mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                             pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
@@ -847,6 +912,11 @@ class FlashFwdSm90:
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
                     seqlen_q, seqlen_k, n_block_max, first_turn=True)
+        if cutlass.const_expr(c > 1):
+            # No CTA leaves while its peer may still multicast into it or release
+            # its stages (Note [K/V multicast]).
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
@@ -962,9 +1032,31 @@ class FlashFwdSm90:
         pipe_sched.producer_commit(s_prod)
 
     def tile_count(self, mQ):
-        """(query blocks per head, tiles of the whole problem); mQ is (Sq, D, Hq, B)."""
-        num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
+        """(units per head, units of the whole problem) of the persistent walk; mQ
+        is (Sq, D, Hq, B). A unit is a query block, or with K/V multicast the
+        cluster_m adjacent query blocks of one cluster (``cta_block``)."""
+        num_m = cute.ceil_div(mQ.shape[0], self.tile_m * self.cluster_m)
         return num_m, num_m * mQ.shape[2] * mQ.shape[3]
+
+    def first_unit(self):
+        """The persistent walk's first unit for this CTA (its cluster's index)."""
+        if cutlass.const_expr(self.cluster_m == 1):
+            return cute.arch.block_idx()[0]
+        return cute.arch.block_idx()[0] // self.cluster_m
+
+    def unit_step(self):
+        """Units between two of one CTA's walk (the grid's clusters)."""
+        if cutlass.const_expr(self.cluster_m == 1):
+            return cute.arch.grid_dim()[0]
+        return cute.arch.grid_dim()[0] // self.cluster_m
+
+    def cta_block(self, unit_m):
+        """This CTA's query block of a unit's query-block index (Note [K/V
+        multicast])."""
+        if cutlass.const_expr(self.cluster_m == 1):
+            return unit_m
+        return unit_m * self.cluster_m + cute.arch.make_warp_uniform(
+            cute.arch.block_idx_in_cluster())
 
     @staticmethod
     def tile_coord(t, num_m, num_heads):
@@ -1021,8 +1113,22 @@ class FlashFwdSm90:
             mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
         )
         tQsQ, tQgQ = tma_tile_partition(tma_atom_Q, sQ, gQ)
-        tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, gK)
-        tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, gV)
+        mcast = {}
+        if cutlass.const_expr(self.cluster_m == 1):
+            tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, gK)
+            tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, gV)
+        else:
+            # This CTA's rows of each K / V block, multicast to the whole cluster
+            # (Note [K/V multicast]).
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            ranks = cute.make_layout(self.cluster_m)
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, rank, ranks,
+                                               cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, rank, ranks,
+                                               cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
 
         n_last = n_block_max - 1
 
@@ -1032,6 +1138,7 @@ class FlashFwdSm90:
             tKgK[None, n_last],
             tKsK[None, state.index],
             tma_bar_ptr=pipe_k.producer_get_barrier(state),
+            **mcast,
         )
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
@@ -1047,6 +1154,7 @@ class FlashFwdSm90:
                 tKgK[None, n_prev - 1],
                 tKsK[None, state.index],
                 tma_bar_ptr=pipe_k.producer_get_barrier(state),
+                **mcast,
             )
             pipe_v.producer_acquire(state_prev)
             cute.copy(
@@ -1054,6 +1162,7 @@ class FlashFwdSm90:
                 tVgV[None, n_prev],
                 tVsV[None, state_prev.index],
                 tma_bar_ptr=pipe_v.producer_get_barrier(state_prev),
+                **mcast,
             )
         pipe_v.producer_acquire(state)
         cute.copy(
@@ -1061,6 +1170,7 @@ class FlashFwdSm90:
             tVgV[None, n_first],
             tVsV[None, state.index],
             tma_bar_ptr=pipe_v.producer_get_barrier(state),
+            **mcast,
         )
         state.advance()
         q_state.advance()
@@ -1077,7 +1187,10 @@ class FlashFwdSm90:
 
     def _release(self, pipe, state):
         """Release a consumed K / V / Q stage (``Sm90FwdTiles.elect_release``)."""
-        if cutlass.const_expr(self.tiles.elect_release):
+        if cutlass.const_expr(self.tiles.elect_release or (
+                self.cluster_m > 1 and pipe.consumer_mask is None)):
+            # In a cluster the pipeline's own test for a CTA-local pipeline (Q) is
+            # wrong at rank > 0; the elected local arrive serves both.
             consumer_release_elected(pipe, state)
         else:
             pipe.consumer_release(state)
