@@ -160,7 +160,7 @@ def jax_impls(peers):
             q, k, v, is_causal=c, implementation="xla")
     # jax_fa4 with its backward's PDL chain on / off, and with each query block's
     # first dQ partial stored / dQaccum zeroed by the preprocess (ENV_OF)
-    for peer in ("pdl", "nopdl", "storefirst", "zerodq"):
+    for peer in ("pdl", "nopdl", "storefirst", "zerodq", "firstbylen"):
         if peer in peers:
             impls[f"jax_fa4_{peer}"] = impls["jax_fa4"]
     return impls
@@ -170,7 +170,11 @@ def jax_impls(peers):
 # runs in one process: the setting holds while they are set up, lowered and called.
 ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": "0"},
           "jax_fa4_storefirst": {"JAX_FA4_DQ_STORE_FIRST": "1"},
-          "jax_fa4_zerodq": {"JAX_FA4_DQ_STORE_FIRST": "0"}}
+          "jax_fa4_zerodq": {"JAX_FA4_DQ_STORE_FIRST": "0"},
+          # Store first up to 2k query rows, zero and add (two buffers) beyond
+          # (Note [dQ store first by length]); the on / off switch unset.
+          "jax_fa4_firstbylen": {"JAX_FA4_DQ_STORE_FIRST": "",
+                                 "JAX_FA4_DQ_FIRST_MAX_SQ": "2048"}}
 
 
 def environment(env: dict | None):
@@ -390,7 +394,8 @@ def main(argv=None):
                         "backward's kernels launched with / without PDL, JAX_FA4_PDL=1 / 0), "
                         "storefirst / zerodq (jax_fa4 whose backward stores each query "
                         "block's first dQ partial / zeroes dQaccum in the preprocess, "
-                        "JAX_FA4_DQ_STORE_FIRST=1 / 0)")
+                        "JAX_FA4_DQ_STORE_FIRST=1 / 0), firstbylen (store first up to 2k "
+                        "query rows, JAX_FA4_DQ_FIRST_MAX_SQ=2048)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
     p.add_argument("--rounds", type=int, default=1,

@@ -76,6 +76,10 @@ class KernelKey:
     # the preprocess zeroes its semaphores instead of dQaccum (BwdTiles.dq_store_first,
     # ``dq_store_first_override``; Note [dQ store first] in kernels/dq_layout.py).
     dq_store_first: bool = False
+    # With dq_store_first (not deterministic): store first only up to this query
+    # length, a run-time choice in one binary (BwdTiles.dq_first_max_seqlen_q, Note
+    # [dQ store first by length]); 0: everywhere.
+    dq_first_max_sq: int = 0
 
 
 # "0" launches the backward's kernels without programmatic dependent launch (a
@@ -104,6 +108,29 @@ def dq_store_first_override(arch: str, head_dim: int) -> bool | None:
     if arch != "sm_90a" or head_dim not in (64, 128):
         return False
     return {"1": True, "0": False}.get(os.environ.get(DQ_STORE_FIRST_ENV, ""))
+
+
+# A positive integer N: the non-deterministic sm90 backward at head dims 64 / 128
+# stores each query block's first dQ partial where the query length is at most N and
+# adds into a zeroed dQaccum elsewhere, chosen at run time in one binary (Note [dQ
+# store first by length]); unless $JAX_FA4_DQ_STORE_FIRST is set, which wins. An A/B
+# switch like that one.
+DQ_FIRST_MAX_SQ_ENV = "JAX_FA4_DQ_FIRST_MAX_SQ"
+
+
+def dq_first_max_sq_override() -> int | None:
+    """``$JAX_FA4_DQ_FIRST_MAX_SQ`` as a positive int, None when unset or empty;
+    anything else raises."""
+    raw = os.environ.get(DQ_FIRST_MAX_SQ_ENV, "")
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"${DQ_FIRST_MAX_SQ_ENV} must be a positive integer, got {raw!r}")
+    return value
 
 
 def dtype_name(dtype) -> str:

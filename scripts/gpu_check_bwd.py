@@ -97,6 +97,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, rotate_walk=knob == "rot")
         elif knob in ("dq1", "dq2"):  # store first: one or two dQ SMEM buffers
             tiles = dataclasses.replace(tiles, dq_double=knob == "dq2")
+        elif knob in ("add1", "add2"):  # add-only: one or two dQ SMEM buffers
+            tiles = dataclasses.replace(tiles, dq_double_add=knob == "add2")
         elif knob not in ("default", "first"):  # first: a kernel class (kernel_call)
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles

@@ -218,3 +218,15 @@ def test_the_store_first_peers_lower_with_the_switch_set():
     assert ba.ENV_OF["jax_fa4_storefirst"] == {DQ_STORE_FIRST_ENV: "1"}
     assert ba.ENV_OF["jax_fa4_zerodq"] == {DQ_STORE_FIRST_ENV: "0"}
     assert "jax_fa4_zerodq" not in ba.jax_impls({"pdl", "nopdl"})
+    # Store first by length: the on / off switch is blanked (unset for the kernels).
+    from jax_fa4.config import (
+        DQ_FIRST_MAX_SQ_ENV,
+        dq_first_max_sq_override,
+        dq_store_first_override,
+    )
+
+    impls = ba.jax_impls({"firstbylen"})
+    assert impls["jax_fa4_firstbylen"] is impls["jax_fa4"]
+    with ba.environment(ba.ENV_OF["jax_fa4_firstbylen"]):
+        assert dq_store_first_override("sm_90a", 128) is None
+        assert dq_first_max_sq_override() == 2048 == int(os.environ[DQ_FIRST_MAX_SQ_ENV])

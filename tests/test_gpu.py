@@ -181,6 +181,37 @@ def test_backward_store_first_switch(monkeypatch, shape, d, causal, deterministi
     _assert_grads_2x(runs["1"][0], q, k, v, dout, dlse, causal)
 
 
+@pytest.mark.parametrize("shape,d,causal,max_sq", [
+    ((2, 1000, 1000, 8, 2), 128, True, 2048),  # 16 query tiles of 64: store first
+    ((2, 1000, 1000, 8, 2), 128, True, 960),  # 1024 > 960: zero and add (two buffers)
+    ((1, 777, 4097, 2, 1), 64, False, 768),  # 7 tiles of 128 = 896 > 768: add
+    ((1, 777, 4097, 2, 1), 64, False, 896),  # 896 <= 896: store first
+    ((3, 1, 1, 4, 4), 128, True, 64),  # one row, one tile: store first
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_store_first_by_length(monkeypatch, shape, d, causal, max_sq):
+    """JAX_FA4_DQ_FIRST_MAX_SQ (Note [dQ store first by length]; not yet run when
+    added): one main-kernel binary that stores first where the query tiles cover
+    at most max_sq rows and otherwise adds into the dQaccum its preprocess zeroed
+    then, through two dQ buffers. Both sides of the boundary at both head dims,
+    with every output poisoned: the 2x rule."""
+    from jax_fa4.config import DQ_FIRST_MAX_SQ_ENV, DQ_STORE_FIRST_ENV
+
+    monkeypatch.delenv(DQ_STORE_FIRST_ENV, raising=False)
+    monkeypatch.setenv(DQ_FIRST_MAX_SQ_ENV, str(max_sq))
+    b, sq, sk, hq, hkv = shape
+    q, k, v = rand_qkv(sq + 7 * d, b, sq, sk, hq, hkv, d)
+    dout, dlse = _cotangents(sq + 3, b, sq, hq, d)
+
+    def grads(q, k, v, dout, dlse):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, return_lse=True, implementation="cute"), q, k, v)
+        return pullback((dout.astype(out.dtype), dlse))
+
+    with poison_outputs():
+        got = jax.block_until_ready(jax.jit(grads)(q, k, v, dout, dlse))
+    _assert_grads_2x(got, q, k, v, dout, dlse, causal)
+
+
 def test_vmap_of_grad_on_kernel():
     q, k, v = rand_qkv(11, 2, 130, 130, 4, 2, 64)
     qs = jnp.stack([q, (q.astype(jnp.float32) * 0.5).astype(q.dtype), -q])
@@ -458,6 +489,16 @@ def test_backward_dq_store_first_on_poison(d, causal, variant, shape):
     rows of the last block past Sq are stored zeros; the rows past the last block are
     left untouched. GQA, Sq != Sk, one row, both masks, 64 / 80-row tiles, one or two
     dQ buffers, the non-causal walk rotated or not."""
+    _check_main_kernel_variant(d, causal, variant, shape, seed=sq_seed(shape, d) + 1)
+
+
+def sq_seed(shape, d: int) -> int:
+    return shape[1] + d
+
+
+def _check_main_kernel_variant(d, causal, variant, shape, seed):
+    """The backward main kernel of a scripts/gpu_check_bwd.py variant alone (jnp pre-
+    and postprocess): dq, dk, dv by the 2x rule, padding rows as that script checks."""
     import math
     import os
     import sys
@@ -471,8 +512,20 @@ def test_backward_dq_store_first_on_poison(d, causal, variant, shape):
                         g.stats_block_of(d, causal, variant))
     b, sq, sk, hq, hkv = shape
     ok, worst, detail = g.check_case(run, jnp.bfloat16, b, sq, sk, hq, hkv, d,
-                                     jax.random.PRNGKey(sq + d + 1))
+                                     jax.random.PRNGKey(seed))
     assert ok, detail
+
+
+@pytest.mark.parametrize("d,causal,shape", [
+    (128, True, (2, 1000, 1000, 4, 2)), (128, False, (2, 203, 113, 4, 1)),
+    (64, False, (1, 777, 4097, 2, 1)), (64, True, (1, 1, 1, 1, 1)),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_add_two_buffers(d, causal, shape):
+    """BwdTiles.dq_double_add (variant add2; not yet run when added): the add-only
+    main kernel with two dQ SMEM buffers, item it in buffer it % 2, alone on a
+    zeroed dQaccum: the 2x rule. Both masks and head dims, GQA, Sq != Sk, one row
+    (one item: buffer 1 never used)."""
+    _check_main_kernel_variant(d, causal, "add2", shape, seed=sq_seed(shape, d) + 2)
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])

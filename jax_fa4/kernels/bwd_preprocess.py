@@ -28,6 +28,8 @@ import math
 
 import numpy as np
 
+from jax_fa4.kernels.dq_layout import dq_first_by_length
+
 # Sq_pad is a multiple of SEQLEN_Q_PAD: a backward Q tile of 64 or 128 rows is
 # always a whole block of dQaccum, so its reduce-add never runs off the end.
 SEQLEN_Q_PAD = 128
@@ -226,7 +228,8 @@ class FlashBwdPreprocess:
     """
 
     def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None,
-                 use_pdl: bool = False, zero_dq: bool = True, sem_tile_m: int | None = None):
+                 use_pdl: bool = False, zero_dq: bool = True, sem_tile_m: int | None = None,
+                 zero_dq_above: int = 0):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:
@@ -243,10 +246,17 @@ class FlashBwdPreprocess:
         # zero_dq False: dQaccum is not touched (the main kernel stores each query
         # block's first partial). sem_tile_m: the call takes mdQsem, (B, Hq,
         # ceil(Sq / sem_tile_m)) int32, and zeroes it (the main kernel's query tile).
+        # zero_dq_above N > 0 (with zero_dq False and sem_tile_m): zero dQaccum only
+        # where the main kernel will not store first (Note [dQ store first by
+        # length] in dq_layout.py), a run-time test on the semaphores' extent.
         self.zero_dq = zero_dq
         self.sem_tile_m = sem_tile_m
+        self.zero_dq_above = zero_dq_above
         if sem_tile_m is not None and sem_tile_m < 1:
             raise ValueError(f"sem_tile_m must be positive, got {sem_tile_m}")
+        if zero_dq_above < 0 or (zero_dq_above and (zero_dq or sem_tile_m is None)):
+            raise ValueError("zero_dq_above > 0 needs zero_dq False and sem_tile_m "
+                             f"(got {zero_dq_above}, {zero_dq}, {sem_tile_m})")
         assert SEQLEN_Q_PAD % self.tile_m == 0
         assert self.tile_m <= self.num_threads  # one thread per row moves LSE
         # The zeroing copy moves 4 floats per thread per step over a flat tile.
@@ -304,6 +314,19 @@ class FlashBwdPreprocess:
         ).launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
                  use_pdl=self.use_pdl)
 
+    @cute.jit
+    def zero_block(self, mdQaccum, copy_zero, tidx, tile_m, m_block, head, batch):
+        """Zero this CTA's block of dQaccum (flat per head), while the loads are in
+        flight."""
+        gdQaccum = cute.local_tile(
+            mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
+        )
+        thr_zero = copy_zero.get_slice(tidx)
+        tZgZ = thr_zero.partition_D(gdQaccum)
+        tZrZ = cute.make_rmem_tensor_like(tZgZ)
+        tZrZ.fill(0.0)
+        cute.copy(copy_zero, tZrZ, tZgZ)
+
     @cute.kernel
     def kernel(
         self,
@@ -354,15 +377,10 @@ class FlashBwdPreprocess:
                 cute.copy(copy_o, tOgdO[None, m, None], tOrdO[None, m, None])
 
         if const_expr(self.zero_dq):
-            # Zero this block of dQaccum while the loads are in flight.
-            gdQaccum = cute.local_tile(
-                mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
-            )
-            thr_zero = copy_zero.get_slice(tidx)
-            tZgZ = thr_zero.partition_D(gdQaccum)
-            tZrZ = cute.make_rmem_tensor_like(tZgZ)
-            tZrZ.fill(0.0)
-            cute.copy(copy_zero, tZrZ, tZgZ)
+            self.zero_block(mdQaccum, copy_zero, tidx, tile_m, m_block, head, batch)
+        elif const_expr(self.zero_dq_above > 0):
+            if not dq_first_by_length(mdQsem.shape[0], self.sem_tile_m, self.zero_dq_above):
+                self.zero_block(mdQaccum, copy_zero, tidx, tile_m, m_block, head, batch)
         if const_expr(self.sem_tile_m is not None):
             # The semaphores of the main kernel's query blocks that start in this
             # block's rows, one thread each (a block of Sq_pad holds all of them).

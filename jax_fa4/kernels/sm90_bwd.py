@@ -79,7 +79,12 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
-from jax_fa4.kernels.dq_layout import DQ_STORED, det_add_rank, det_key_block
+from jax_fa4.kernels.dq_layout import (
+    DQ_STORED,
+    det_add_rank,
+    det_key_block,
+    dq_first_by_length,
+)
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_mma_shape, dq_tiled_mma
 from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile, sm_count
 from jax_fa4.kernels.softmax import acc_mn_view
@@ -234,6 +239,15 @@ class BwdTiles:
     # Off: on the H200, +1.6-2.9% at 1k tokens, 3-5% slower at 4k-16k (twentieth
     # session): the waits for each query block's first store stall the dQ hand-off.
     dq_store_first: bool = False
+    # With dq_store_first, not deterministic: store first only where the query
+    # length, rounded up to whole query tiles, is at most this (one binary; the
+    # main kernel and the preprocess read it from the semaphores' extent at run
+    # time; Note [dQ store first by length]). 0: everywhere.
+    dq_first_max_seqlen_q: int = 0
+    # Not deterministic, not store first: two SMEM buffers for the dQ partial (as
+    # dq_double), so the MMA warpgroups write item it + 1 while the bulk engine
+    # still reads item it. Off: not yet timed.
+    dq_double_add: bool = False
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -420,6 +434,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         deterministic: bool = False,
         use_pdl: bool = False,
         dq_store_first: bool = False,
+        dq_first_max_seqlen_q: int | None = None,
     ):
         init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
@@ -465,8 +480,20 @@ class FlashBwdSm90(Sm90BwdCommon):
         # BwdTiles.rotate_walk: non-causal, not deterministic (whose add order is fixed
         # per query block), one CTA per key block.
         self.rotate_walk = t.rotate_walk and not (causal or deterministic or t.persistent)
-        # BwdTiles.dq_double applies to the store-first, non-deterministic kernel only.
-        self.dq_bufs = 2 if t.dq_double and dq_store_first and not deterministic else 1
+        # Store first only up to this query length (Note [dQ store first by length]);
+        # 0: everywhere. The argument overrides BwdTiles.dq_first_max_seqlen_q.
+        self.dq_first_max_sq = (t.dq_first_max_seqlen_q if dq_first_max_seqlen_q is None
+                                else dq_first_max_seqlen_q)
+        if self.dq_first_max_sq < 0:
+            raise ValueError(f"dq_first_max_seqlen_q must be >= 0, got {self.dq_first_max_sq}")
+        if self.dq_first_max_sq and (deterministic or not dq_store_first):
+            raise ValueError("dq_first_max_seqlen_q serves the non-deterministic store-first "
+                             "backward")
+        # Two dQ buffers: BwdTiles.dq_double for the store-first kernel (whose add
+        # path, by length, uses them too), dq_double_add for the add-only one; never
+        # deterministic.
+        two = (t.dq_double and dq_store_first) or (t.dq_double_add and not dq_store_first)
+        self.dq_bufs = 2 if two and not deterministic and t.dq_flat else 1
         self.num_sms = sm_count() if t.persistent else 0
         if t.stats_by_thread and self.tile_m not in (64, 128):
             raise ValueError(f"stats_by_thread needs tile_m 64 or 128, got {self.tile_m}")
@@ -807,7 +834,17 @@ class FlashBwdSm90(Sm90BwdCommon):
     def store_dq(self, mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks, head_kv, batch,
                  group, m_block_min, num_m, num_iters):
         """Warp 1: reduce-add each dQ partial tile from SMEM into mdQaccum (fp32)."""
-        if const_expr(self.dq_store_first and not self.deterministic):
+        if const_expr(self.dq_store_first and not self.deterministic
+                      and self.dq_first_max_sq > 0):
+            # Note [dQ store first by length]: the preprocess zeroed dQaccum exactly
+            # where this test fails.
+            if dq_first_by_length(mdQsem.shape[2], self.tile_m, self.dq_first_max_sq):
+                self.store_dq_flat_first(mdQaccum, mdQsem, sdQ, head_kv, batch, group,
+                                         m_block_min, num_m, num_iters)
+            else:
+                self.store_dq_flat(mdQaccum, None, sdQ, n_block, num_n_blocks, head_kv,
+                                   batch, group, m_block_min, num_m, num_iters)
+        elif const_expr(self.dq_store_first and not self.deterministic):
             self.store_dq_flat_first(mdQaccum, mdQsem, sdQ, head_kv, batch, group,
                                      m_block_min, num_m, num_iters)
         elif const_expr(self.tiles.dq_flat):
@@ -856,15 +893,36 @@ class FlashBwdSm90(Sm90BwdCommon):
         part = tm * d // n_parts
         nthr = self.num_mma_threads // n_parts + 32
         lane = cute.arch.lane_idx()
+        # Two buffers (``dq_bufs``, never deterministic): item it in buffer it % 2,
+        # with the barrier pairs of ``dq_handoff_double``.
+        two = const_expr(self.dq_bufs == 2 and not self.deterministic)
+        if const_expr(two):
+            if num_iters > 0:  # buffer 0 is free for item 0
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                             number_of_threads=nthr)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
-            # Each part is free (its previous reduce has read it): let its writers
-            # write the next one. Parts are served in order; their writers never
-            # wait for each other.
-            for w in cutlass.range_constexpr(n_parts):
-                cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
-                                         number_of_threads=nthr)
+            bar_off = Int32(0)
+            src = sdQ.iterator
+            if const_expr(two):
+                # The other buffer held item it - 1, which the bulk engine has read
+                # (the wait at the end of that item): item it + 1 may go there.
+                if it + 1 < num_iters:
+                    nxt = self.dq_buf_bar * ((it + 1) % 2)
+                    for w in cutlass.range_constexpr(n_parts):
+                        cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + nxt + w,
+                                                 number_of_threads=nthr)
+                bar_off = self.dq_buf_bar * (it % 2)
+                src = sdQ.iterator + (it % 2) * (tm * d)
+            else:
+                # Each part is free (its previous reduce has read it): let its
+                # writers write the next one. Parts are served in order; their
+                # writers never wait for each other.
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                             number_of_threads=nthr)
             if const_expr(self.deterministic):
                 sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
                                                          mdQsem.layout)
@@ -892,10 +950,10 @@ class FlashBwdSm90(Sm90BwdCommon):
                     semaphore_release_after_bulk(sem_ptr)
             else:
                 for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w,
+                                      number_of_threads=nthr)
                     if lane == 0:
-                        bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
-                                            part * 4)
+                        bulk_reduce_add_f32(gdQ.iterator + w * part, src + w * part, part * 4)
                         cute.arch.cp_async_bulk_commit_group()
                 if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)

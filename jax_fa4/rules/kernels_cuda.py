@@ -18,6 +18,7 @@ from jax_fa4.config import (
     AttentionConfig,
     KernelKey,
     deterministic_bwd_support_error,
+    dq_first_max_sq_override,
     dq_store_first_override,
     dtype_name,
     pdl_enabled,
@@ -35,10 +36,13 @@ def unavailable(arch: str) -> str | None:
 
 
 def _key(kind: str, arch: str, q, v, config: AttentionConfig,
-         dq_store_first: bool | None = None) -> KernelKey:
-    """The compile key of one kernel. dq_store_first: the main kernel's choice, which
-    its preprocess follows (None: the main kernels read the tile table, the others
-    say no)."""
+         dq_store_first: tuple[bool, int] | None = None) -> KernelKey:
+    """The compile key of one kernel. dq_store_first: the main kernel's (store first,
+    up to which query length) choice, which its preprocess follows (None: the main
+    kernels read the tile table, the others say no)."""
+    if dq_store_first is None:
+        dq_store_first = (_table_store_first(arch, q, config, kind)
+                          if kind in ("bwd", "bwd_det") else (False, 0))
     return KernelKey(
         kind=kind,
         arch=arch,
@@ -51,22 +55,30 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig,
         pdl=kind != "fwd" and pdl_enabled(arch),
         # The preprocess and the main kernel agree on who zeroes what
         # (Note [dQ store first]); the postprocess is the same either way.
-        dq_store_first=(kind in ("bwd", "bwd_det") and _table_store_first(arch, q, config)
-                        if dq_store_first is None else dq_store_first),
+        dq_store_first=dq_store_first[0],
+        dq_first_max_sq=dq_store_first[1],
     )
 
 
-def _table_store_first(arch: str, q, config: AttentionConfig) -> bool:
-    """Whether the backward main kernel stores each query block's first dQ partial
-    (Note [dQ store first]): ``$JAX_FA4_DQ_STORE_FIRST`` if set, else the sm90 tile
-    table."""
+def _table_store_first(arch: str, q, config: AttentionConfig, kind: str) -> tuple[bool, int]:
+    """Whether the backward main kernel of ``kind`` stores each query block's first
+    dQ partial (Note [dQ store first]), and up to which query length (0: always;
+    Note [dQ store first by length], non-deterministic only):
+    ``$JAX_FA4_DQ_STORE_FIRST`` if set, else ``$JAX_FA4_DQ_FIRST_MAX_SQ`` if set,
+    else the sm90 tile table."""
     d = int(q.shape[-1])
     override = dq_store_first_override(arch, d)
     if override is not None:
-        return override
+        return override, 0
+    max_sq = dq_first_max_sq_override()
+    if max_sq is not None:
+        return kind == "bwd", max_sq if kind == "bwd" else 0
     from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
-    return bwd_tiles(d, config.causal).dq_store_first
+    t = bwd_tiles(d, config.causal)
+    if t.dq_first_max_seqlen_q:  # by length: the deterministic kernel zeroes and adds
+        return (t.dq_store_first, t.dq_first_max_seqlen_q) if kind == "bwd" else (False, 0)
+    return t.dq_store_first, 0
 
 
 def _fwd_kernel(key: KernelKey):
@@ -184,8 +196,10 @@ def _pre_kernel(key: KernelKey):
     if key.kind == "bwd_pre_by_thread":
         block = _stats_block(key.arch, key.head_dim, key.causal)
     store_first = {}
-    if key.dq_store_first:  # dQaccum is left alone; the main kernel's semaphores zeroed
-        store_first = {"zero_dq": False, "sem_tile_m": _sem_tile_m(key)}
+    if key.dq_store_first:  # dQaccum is left alone (up to dq_first_max_sq: Note [dQ
+        # store first by length]); the main kernel's semaphores zeroed
+        store_first = {"zero_dq": False, "sem_tile_m": _sem_tile_m(key),
+                       "zero_dq_above": key.dq_first_max_sq}
     return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim,
                               stat_block=block, use_pdl=key.pdl, **store_first)
 
@@ -219,6 +233,8 @@ def _bwd_kernel(key: KernelKey):
     extra = {"use_pdl": True} if key.pdl else {}  # sm_90a only (config.pdl_enabled)
     if key.kind == "bwd_det" and key.dq_store_first:  # sm_90a only (dq_store_first_enabled)
         extra["dq_store_first"] = True
+    if key.kind == "bwd" and key.dq_first_max_sq:  # FlashBwdSm90StoreFirst, by length
+        extra["dq_first_max_seqlen_q"] = key.dq_first_max_sq
     return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale,
                   **extra)
 
@@ -274,7 +290,7 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     pre_causal = pre_kind == "bwd_pre_by_thread" or main_key.dq_store_first
     pre_key = _key(pre_kind, arch, q, v,
                    AttentionConfig(scale=1.0, causal=pre_causal and config.causal),
-                   dq_store_first=main_key.dq_store_first)
+                   dq_store_first=(main_key.dq_store_first, main_key.dq_first_max_sq))
     pre_outs, pre_static = ws_structs, (_BHS, _BHS, _BSHD)
     needs_sem = deterministic or main_key.dq_store_first
     sem_shape = (b, hq, -(-sq // _sem_tile_m(main_key))) if needs_sem else None
