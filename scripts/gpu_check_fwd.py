@@ -159,8 +159,8 @@ def tile_variant(spec: str) -> dict:
 def resolve(overrides, d: int, causal: bool):
     """The tiles of a variant (a dict of Sm90FwdTiles fields over the table's entry
     for this head dim and mask); None for the default; False where the variant
-    does not serve the mask (lpt, merge: causal only; split_tail, cluster_m 2:
-    non-causal only)."""
+    does not serve the mask (lpt, merge: causal only; split_tail: non-causal only;
+    cluster_m 2: not with the causal dynamic scheduler)."""
     if overrides is None:
         return None
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
@@ -169,7 +169,7 @@ def resolve(overrides, d: int, causal: bool):
         tiles = dataclasses.replace(tiles, cluster_m=1)
     if (tiles.lpt or tiles.merge_diagonal_loop) and not causal:
         return False
-    if (tiles.split_tail or tiles.cluster_m > 1) and causal:
+    if causal and (tiles.split_tail or (tiles.cluster_m > 1 and tiles.persistent)):
         return False
     return tiles
 
@@ -278,7 +278,8 @@ def main() -> int:
         "qfm / noqfm (the row max's quad shuffles with fmax or NaN-propagating), "
         "rfm / norfm (the thread's columns max-reduced with fmax in four chains or not), "
         "qreg / noqreg (Q as the register operand of S = Q K^T, hdim 128), "
-        "mc2 / mc1 (non-causal: K/V multicast in clusters of 2 CTAs, or none), "
+        "mc2 / mc1 (K/V multicast in clusters of 2 CTAs, or none; causal with a CTA per "
+        "tile only, e.g. hdim 256 or mc2+nopers), "
         "joined with +",
     )
     ap.add_argument(

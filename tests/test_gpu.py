@@ -351,6 +351,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     "q_in_regs_causal": (True, {"q_in_regs": True}),
     # K/V multicast in clusters of 2 CTAs (Note [K/V multicast]).
     "multicast": (False, {"cluster_m": 2}),
+    # Causal, one CTA per tile: the cluster walks its last block's keys.
+    "multicast_causal": (True, {"cluster_m": 2, "persistent": False}),
+    "multicast_causal_per_head": (True, {"cluster_m": 2, "persistent": False, "lpt": False}),
 }
 
 
@@ -381,6 +384,12 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("multicast", (1, 4097, 4097, 4, 1), 128), ("multicast", (3, 3000, 3000, 8, 2), 128),
     ("multicast", (2, 2000, 1999, 6, 2), 64), ("multicast", (2, 1000, 999, 8, 2), 256),
     ("multicast", (1, 300, 200, 2, 1), 256),
+    ("multicast_causal", (1, 300, 200, 2, 1), 256),
+    ("multicast_causal", (2, 1000, 1000, 8, 2), 256),
+    ("multicast_causal", (1, 20000, 20000, 5, 5), 128),
+    ("multicast_causal", (2, 203, 1113, 4, 4), 128),
+    ("multicast_causal_per_head", (3, 700, 700, 5, 5), 128),
+    ("multicast_causal_per_head", (1, 1500, 1500, 3, 3), 256),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_forward_tile_order_knobs(knob, shape, d):
     """Knobs of the forward's tile order, through the kernel alone.
@@ -406,7 +415,11 @@ def test_forward_tile_order_knobs(knob, shape, d):
     when added): clusters of 2 CTAs sharing each K / V block through multicast
     TMA, at hdim 64 / 128 (persistent) and 256 (one CTA per tile); odd query-block
     counts (1, 33, 11, 3), where the last cluster's second CTA runs past the end,
-    and 192 cluster units over 66 clusters."""
+    and 192 cluster units over 66 clusters. multicast_causal (not yet run when
+    added): causal with a CTA per tile, in clusters of 2; the CTA of the lower
+    query block releases the stages of the keys past its diagonal unread; LPT
+    order over clusters (sections of heads at 20000 tokens) and per head; Sk above
+    and below Sq, odd block counts."""
     from cutlass.jax import TensorSpec, cutlass_call
 
     from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, fwd_tiles, make_fwd_sm90

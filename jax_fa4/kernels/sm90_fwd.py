@@ -97,7 +97,11 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # stage is free again only when the consumers of both CTAs are done with it: every
 # consumer warp releases it on both CTAs' empty barriers (lane r arrives at rank
 # r), so the empty barrier counts 2 x consumer warps. Q and O stay per CTA; Q's
-# stage is released locally. Where the head has an odd number of query blocks the
+# stage is released locally. Causal (one CTA per tile only; the dynamic scheduler
+# hands out single tiles): both load warps walk the key blocks of the cluster's
+# last query block, and a CTA whose own block ends earlier releases the first
+# stages unread (at most 2 at hdim 256's 128 x 80); the launch orders (LPT or per
+# head) run over clusters. Where the head has an odd number of query blocks the
 # last cluster's second CTA runs a block past the end: TMA fills its Q with zeros,
 # the O store is clipped and LSE rows >= seqlen_q are not written. Both CTAs meet
 # at a cluster barrier before they exit, so that no multicast or remote arrive
@@ -550,13 +554,13 @@ class FlashFwdSm90:
         self.cluster_m = t.cluster_m
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.cluster_m > 1 and (causal or self.split or t.elect_release
+        if self.cluster_m > 1 and (self.dynamic or self.split or t.elect_release
                                    or (t.tile_n // 2) % 8):
-            # Causal tiles of one head differ in length (and the dynamic scheduler
-            # hands them out one by one); the split tail's parts too.
+            # The dynamic scheduler hands causal tiles out one by one; the split
+            # tail's parts differ in length.
             raise ValueError("K/V multicast (cluster_m 2) serves the non-causal forward "
-                             "without split_tail or elect_release, with tile_n a "
-                             "multiple of 16")
+                             "and the causal one with a CTA per tile, without split_tail "
+                             "or elect_release, with tile_n a multiple of 16")
         if t.q_in_regs and not (head_dim <= 128 and t.consumer_regs >= 240):
             # hdim 64's 160-register consumers spill with it; at 256 Q alone would
             # take 128 registers per thread.
@@ -812,6 +816,13 @@ class FlashFwdSm90:
         group = mQ.shape[2] // mK.shape[2]
         head_kv = head // group
         n_block_max = self.n_block_max(m_block, seqlen_k)
+        # Causal with K/V multicast: the cluster loads the key blocks of its last
+        # query block; the others skip the ones past their own (Note [K/V multicast]).
+        n_load, n_skip = n_block_max, None
+        if cutlass.const_expr(c > 1 and self.causal):
+            last = m_block - cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) + c - 1
+            n_load = self.n_block_max(last, seqlen_k)
+            n_skip = n_load - n_block_max
         pipeline.pipeline_init_wait(cluster_shape_mn=(c, 1))
 
         # Pipeline states live across the tiles of a persistent CTA.
@@ -856,7 +867,7 @@ class FlashFwdSm90:
                     self.load(
                         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                         pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head, head_kv,
-                        batch, n_block_max)
+                        batch, n_load)
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
             if cutlass.const_expr(self.persistent):
@@ -911,7 +922,7 @@ class FlashFwdSm90:
                 self.consume(
                     mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
-                    seqlen_q, seqlen_k, n_block_max, first_turn=True)
+                    seqlen_q, seqlen_k, n_block_max, first_turn=True, n_skip=n_skip)
         if cutlass.const_expr(c > 1):
             # No CTA leaves while its peer may still multicast into it or release
             # its stages (Note [K/V multicast]).
@@ -924,10 +935,15 @@ class FlashFwdSm90:
         start last (per head, or across the heads of an L2 section with ``lpt``)."""
         bidx, head, batch = cute.arch.block_idx()
         m_block = bidx
+        c = self.cluster_m
+        # With K/V multicast the orders below are over clusters (units of c query
+        # blocks of one head), the CTA taking block c unit + rank.
+        unit = bidx if cutlass.const_expr(c == 1) else bidx // c
         if cutlass.const_expr(self.tiles.lpt):
-            m_block, head, batch = self.lpt_coord(bidx, mQ, mK)
+            m_block, head, batch = self.lpt_coord(unit, mQ, mK)
+            m_block = self.cta_block(m_block)
         elif cutlass.const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+            m_block = self.cta_block(cute.arch.grid_dim()[0] // c - 1 - unit)
         return m_block, head, batch
 
     def split_plan(self, total, n_blocks):
@@ -958,7 +974,7 @@ class FlashFwdSm90:
         """(m_block, head, batch) of CTA t in the LPT order (``lpt_tile``)."""
         num_heads = mQ.shape[2]
         size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
-        return lpt_tile(t, cute.ceil_div(mQ.shape[0], self.tile_m), num_heads,
+        return lpt_tile(t, cute.ceil_div(mQ.shape[0], self.tile_m * self.cluster_m), num_heads,
                         num_heads * mQ.shape[3], size, cutlass.min)
 
     def causal_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
@@ -1231,13 +1247,15 @@ class FlashFwdSm90:
         first_turn: cutlass.Constexpr[bool],
         n_lo=None,
         part=None,
+        n_skip=None,
     ):
         """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
         pipeline states. first_turn: give warpgroup 1 the first GEMM turn here (a
         persistent CTA does that once, before its first tile). n_lo, part: the
         unit of a split tail (Note [Split tail]): key blocks [n_lo, n_block_max),
         and (counters, part O, part LSE, SMEM flag, is a part, tail unit, parts)
-        for ``merge_parts``."""
+        for ``merge_parts``. n_skip: K / V stages to release unread first (causal K/V
+        multicast)."""
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
         wg_layout = cute.make_layout(self.tiles.num_consumer_wg, stride=_THREADS_PER_WG)
@@ -1277,6 +1295,15 @@ class FlashFwdSm90:
                     barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
                 )
 
+        if cutlass.const_expr(n_skip is not None):
+            # K/V multicast, causal: the cluster's first n_skip key blocks are past
+            # this query block's last one; free their stages unread.
+            for _ in cutlass.range(n_skip, unroll=1):
+                pipe_k.consumer_wait(state)
+                self._release(pipe_k, state)
+                pipe_v.consumer_wait(state)
+                self._release(pipe_v, state)
+                state.advance()
         pipe_q.consumer_wait(q_state)
         if cutlass.const_expr(self.tiles.q_in_regs):
             load_q = cute.make_copy_atom(
