@@ -896,33 +896,11 @@ class FlashBwdSm90(Sm90BwdCommon):
         # Two buffers (``dq_bufs``, never deterministic): item it in buffer it % 2,
         # with the barrier pairs of ``dq_handoff_double``.
         two = const_expr(self.dq_bufs == 2 and not self.deterministic)
-        if const_expr(two):
-            if num_iters > 0:  # buffer 0 is free for item 0
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
-                                             number_of_threads=nthr)
+        self.dq_bufs_open(two, num_iters, n_parts, nthr)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
-            bar_off = Int32(0)
-            src = sdQ.iterator
-            if const_expr(two):
-                # The other buffer held item it - 1, which the bulk engine has read
-                # (the wait at the end of that item): item it + 1 may go there.
-                if it + 1 < num_iters:
-                    nxt = self.dq_buf_bar * ((it + 1) % 2)
-                    for w in cutlass.range_constexpr(n_parts):
-                        cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + nxt + w,
-                                                 number_of_threads=nthr)
-                bar_off = self.dq_buf_bar * (it % 2)
-                src = sdQ.iterator + (it % 2) * (tm * d)
-            else:
-                # Each part is free (its previous reduce has read it): let its
-                # writers write the next one. Parts are served in order; their
-                # writers never wait for each other.
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
-                                             number_of_threads=nthr)
+            bar_off, src = self.dq_buf_turn(two, it, num_iters, n_parts, nthr, sdQ)
             if const_expr(self.deterministic):
                 sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
                                                          mdQsem.layout)
@@ -981,32 +959,13 @@ class FlashBwdSm90(Sm90BwdCommon):
         nthr = self.num_mma_threads // n_parts + 32
         two = const_expr(self.dq_bufs == 2)
         lane = cute.arch.lane_idx()
-        if const_expr(two):
-            if num_iters > 0:  # buffer 0 is free for item 0
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
-                                             number_of_threads=nthr)
+        self.dq_bufs_open(two, num_iters, n_parts, nthr)
         # The query block whose store this warp has yet to publish: (head, block), -1.
         pend_h, pend_m = Int32(0), Int32(-1)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
-            bar_off = Int32(0)
-            src = sdQ.iterator
-            if const_expr(two):
-                # The other buffer held item it - 1, which the bulk engine has read:
-                # item it + 1 may go there.
-                if it + 1 < num_iters:
-                    nxt = self.dq_buf_bar * ((it + 1) % 2)
-                    for w in cutlass.range_constexpr(n_parts):
-                        cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + nxt + w,
-                                                 number_of_threads=nthr)
-                bar_off = self.dq_buf_bar * (it % 2)
-                src = sdQ.iterator + (it % 2) * (tm * d)
-            else:
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
-                                             number_of_threads=nthr)
+            bar_off, src = self.dq_buf_turn(two, it, num_iters, n_parts, nthr, sdQ)
             if lane == 0:
                 if pend_m >= 0:
                     semaphore_release_after_bulk(
@@ -1049,6 +1008,40 @@ class FlashBwdSm90(Sm90BwdCommon):
     # BwdTiles.dq_double: buffer b's barrier pair is (bar_dq_full, bar_dq_empty)
     # + dq_buf_bar * b, per warpgroup part as with one buffer (IDs 6-9 for b = 1).
     dq_buf_bar = 4
+
+    @cute.jit
+    def dq_bufs_open(self, two: cutlass.Constexpr[bool], num_iters, n_parts: int, nthr: int):
+        """dQ warp, before the walk, with two buffers: buffer 0 is free for item 0."""
+        if const_expr(two):
+            if num_iters > 0:
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                             number_of_threads=nthr)
+
+    @cute.jit
+    def dq_buf_turn(self, two: cutlass.Constexpr[bool], it, num_iters, n_parts: int,
+                    nthr: int, sdQ):
+        """dQ warp, top of item it: lets the MMA warpgroups write the next partial
+        and returns item it's (barrier-id offset, SMEM source). One buffer: each part
+        is free again (its previous bulk copy has read it); parts are served in
+        order and their writers never wait for each other. Two: item it is in
+        buffer it % 2; the other held item it - 1, which the bulk engine has read
+        (the wait at the end of that item), so item it + 1 may go there."""
+        bar_off = Int32(0)
+        src = sdQ.iterator
+        if const_expr(two):
+            if it + 1 < num_iters:
+                nxt = self.dq_buf_bar * ((it + 1) % 2)
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + nxt + w,
+                                             number_of_threads=nthr)
+            bar_off = self.dq_buf_bar * (it % 2)
+            src = sdQ.iterator + (it % 2) * (self.tile_m * self.head_dim)
+        else:
+            for w in cutlass.range_constexpr(n_parts):
+                cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
+                                         number_of_threads=nthr)
+        return bar_off, src
 
     @cute.jit
     def dq_handoff_double(self, r2s_dq, acc_dQ, tdQsdQ_bufs, buf, dq_bar_off, dq_threads):
