@@ -262,8 +262,9 @@ class Sm90FwdTiles:
     # seventeenth session, x without it: 1k 1.031, 4k 1.021, 16k 1.014 / 1.017);
     # off for causal, where it measured level (1k 1.006, 4k 0.997, 16k 1.002).
     q_in_regs: bool = False
-    # Non-causal: CTAs in clusters of this many along the query blocks (1 or 2),
-    # FA3's choice at head dims >= 128 on Hopper. The CTAs of a cluster run
+    # CTAs in clusters of this many along the query blocks (1 or 2), FA3's choice
+    # at head dims >= 128 non-causal on Hopper; causal only with a CTA per tile
+    # (not the dynamic scheduler; not yet run on a GPU). The CTAs of a cluster run
     # adjacent query blocks of one head in step and share each K / V block: each
     # loads 1 / cluster_m of its rows and multicasts them into every CTA of the
     # cluster (Note [K/V multicast]). In the table at hdim 128 / 256 non-causal
