@@ -927,12 +927,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                     # The copies land before the next key block may add.
                     semaphore_release_after_bulk(sem_ptr)
             else:
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w,
-                                      number_of_threads=nthr)
-                    if lane == 0:
-                        bulk_reduce_add_f32(gdQ.iterator + w * part, src + w * part, part * 4)
-                        cute.arch.cp_async_bulk_commit_group()
+                self.dq_parts_out(False, gdQ, src, bar_off, n_parts, part, nthr, lane)
                 if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(final_wait):
@@ -978,23 +973,13 @@ class FlashBwdSm90(Sm90BwdCommon):
                 ticket = cute.arch.atomic_add(sem_ptr, Int32(1), sem="relaxed", scope="gpu")
             ticket = cute.arch.shuffle_sync(ticket, 0)
             if ticket == 0:
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w,
-                                      number_of_threads=nthr)
-                    if lane == 0:
-                        bulk_store(gdQ.iterator + w * part, src + w * part, part * 4)
-                        cute.arch.cp_async_bulk_commit_group()
+                self.dq_parts_out(True, gdQ, src, bar_off, n_parts, part, nthr, lane)
                 pend_h, pend_m = head_q, m_block
             else:
                 if lane == 0:
                     # The reduce-adds below come after the acquire.
                     semaphore_wait_at_least(sem_ptr, DQ_STORED)
-                for w in cutlass.range_constexpr(n_parts):
-                    cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w,
-                                      number_of_threads=nthr)
-                    if lane == 0:
-                        bulk_reduce_add_f32(gdQ.iterator + w * part, src + w * part, part * 4)
-                        cute.arch.cp_async_bulk_commit_group()
+                self.dq_parts_out(False, gdQ, src, bar_off, n_parts, part, nthr, lane)
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         if lane == 0:
@@ -1008,6 +993,22 @@ class FlashBwdSm90(Sm90BwdCommon):
     # BwdTiles.dq_double: buffer b's barrier pair is (bar_dq_full, bar_dq_empty)
     # + dq_buf_bar * b, per warpgroup part as with one buffer (IDs 6-9 for b = 1).
     dq_buf_bar = 4
+
+    @cute.jit
+    def dq_parts_out(self, store: cutlass.Constexpr[bool], gdQ, src, bar_off, n_parts: int,
+                     part: int, nthr: int, lane):
+        """dQ warp: as each part of the partial is in SMEM (its full barrier), one
+        1-D bulk copy of it to the query block's flat tile, a plain store (``store``,
+        the first partial of Note [dQ store first]) or a reduce-add; one lane issues
+        and commits."""
+        for w in cutlass.range_constexpr(n_parts):
+            cute.arch.barrier(barrier_id=self.bar_dq_full + bar_off + w, number_of_threads=nthr)
+            if lane == 0:
+                if const_expr(store):
+                    bulk_store(gdQ.iterator + w * part, src + w * part, part * 4)
+                else:
+                    bulk_reduce_add_f32(gdQ.iterator + w * part, src + w * part, part * 4)
+                cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def dq_bufs_open(self, two: cutlass.Constexpr[bool], num_iters, n_parts: int, nthr: int):
