@@ -160,7 +160,8 @@ def jax_impls(peers):
             q, k, v, is_causal=c, implementation="xla")
     # jax_fa4 with its backward's PDL chain on / off, and with each query block's
     # first dQ partial stored / dQaccum zeroed by the preprocess (ENV_OF)
-    for peer in ("pdl", "nopdl", "storefirst", "zerodq", "firstbylen"):
+    for peer in ("pdl", "nopdl", "storefirst", "zerodq", "firstbylen", "fold", "fold3",
+                 "nofold"):
         if peer in peers:
             impls[f"jax_fa4_{peer}"] = impls["jax_fa4"]
     return impls
@@ -174,7 +175,14 @@ ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": 
           # Store first up to 2k query rows, zero and add (two buffers) beyond
           # (Note [dQ store first by length]); the on / off switch unset.
           "jax_fa4_firstbylen": {"JAX_FA4_DQ_STORE_FIRST": "",
-                                 "JAX_FA4_DQ_FIRST_MAX_SQ": "2048"}}
+                                 "JAX_FA4_DQ_FIRST_MAX_SQ": "2048"},
+          # dQ converted in the main kernel / by the postprocess (Note [dQ fold]).
+          "jax_fa4_fold": {"JAX_FA4_DQ_STORE_FIRST": "", "JAX_FA4_DQ_FIRST_MAX_SQ": "",
+                           "JAX_FA4_DQ_FOLD": "1"},
+          "jax_fa4_fold3": {"JAX_FA4_DQ_STORE_FIRST": "", "JAX_FA4_DQ_FIRST_MAX_SQ": "",
+                            "JAX_FA4_DQ_FOLD": "3"},
+          "jax_fa4_nofold": {"JAX_FA4_DQ_STORE_FIRST": "", "JAX_FA4_DQ_FIRST_MAX_SQ": "",
+                             "JAX_FA4_DQ_FOLD": "0"}}
 
 
 def environment(env: dict | None):
@@ -395,7 +403,9 @@ def main(argv=None):
                         "storefirst / zerodq (jax_fa4 whose backward stores each query "
                         "block's first dQ partial / zeroes dQaccum in the preprocess, "
                         "JAX_FA4_DQ_STORE_FIRST=1 / 0), firstbylen (store first up to 2k "
-                        "query rows, JAX_FA4_DQ_FIRST_MAX_SQ=2048)")
+                        "query rows, JAX_FA4_DQ_FIRST_MAX_SQ=2048), fold / nofold (dQ "
+                        "converted in the main kernel / by the postprocess, "
+                        "JAX_FA4_DQ_FOLD=1 / 0), fold3 (JAX_FA4_DQ_FOLD=3)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
     p.add_argument("--rounds", type=int, default=1,

@@ -80,6 +80,11 @@ class KernelKey:
     # length, a run-time choice in one binary (BwdTiles.dq_first_max_seqlen_q, Note
     # [dQ store first by length]); 0: everywhere.
     dq_first_max_sq: int = 0
+    # > 0: the sm90 backward main kernel writes dQ itself, counting each item this
+    # many items after its adds (BwdTiles.dq_fold, ``dq_fold_override``; Note [dQ
+    # fold] in kernels/dq_layout.py): its preprocess also zeroes the per-query-block
+    # semaphores, and no postprocess runs. 0: off.
+    dq_fold: int = 0
 
 
 # "0" launches the backward's kernels without programmatic dependent launch (a
@@ -131,6 +136,28 @@ def dq_first_max_sq_override() -> int | None:
     if value < 1:
         raise ValueError(f"${DQ_FIRST_MAX_SQ_ENV} must be a positive integer, got {raw!r}")
     return value
+
+
+# "1" to "8" / "0": the non-deterministic sm90 backward at head dims 64 / 128 converts
+# each query block's dQ in the main kernel, counting an item's adds that many items
+# later (Note [dQ fold]) / in the postprocess, whatever its tile table says
+# (``BwdTiles.dq_fold``). Store first, when chosen, wins. An A/B switch like the two
+# above.
+DQ_FOLD_ENV = "JAX_FA4_DQ_FOLD"
+
+
+def dq_fold_override(arch: str, head_dim: int) -> int | None:
+    """``$JAX_FA4_DQ_FOLD`` for a backward that can fold (sm_90a, head dims 64 and
+    128): the lag 1-8, 0 (off: "0", and where it cannot fold), None (unset or empty:
+    the table). Anything else raises."""
+    if arch != "sm_90a" or head_dim not in (64, 128):
+        return 0
+    raw = os.environ.get(DQ_FOLD_ENV, "")
+    if not raw:
+        return None
+    if raw not in {str(i) for i in range(9)}:
+        raise ValueError(f"${DQ_FOLD_ENV} must be 0 (off) or a lag from 1 to 8, got {raw!r}")
+    return int(raw)
 
 
 def dtype_name(dtype) -> str:

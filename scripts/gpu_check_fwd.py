@@ -164,8 +164,10 @@ def resolve(overrides, d: int, causal: bool):
     if overrides is None:
         return None
     tiles = dataclasses.replace(fwd_tiles(d, d, causal), **overrides)
-    if (tiles.split_tail or tiles.elect_release) and "cluster_m" not in overrides:
-        # Neither serves the table's K/V multicast: one CTA per cluster then.
+    if "cluster_m" not in overrides and (tiles.split_tail or tiles.elect_release
+                                         or (causal and tiles.persistent)):
+        # None of them serves the table's K/V multicast (the causal persistent
+        # forward is the dynamic scheduler): one CTA per cluster then.
         tiles = dataclasses.replace(tiles, cluster_m=1)
     if (tiles.lpt or tiles.merge_diagonal_loop) and not causal:
         return False

@@ -230,3 +230,18 @@ def test_the_store_first_peers_lower_with_the_switch_set():
     with ba.environment(ba.ENV_OF["jax_fa4_firstbylen"]):
         assert dq_store_first_override("sm_90a", 128) is None
         assert dq_first_max_sq_override() == 2048 == int(os.environ[DQ_FIRST_MAX_SQ_ENV])
+
+
+def test_the_fold_peers_lower_with_the_switch_set():
+    """jax_fa4_fold / jax_fa4_nofold: the same attention, lowered with
+    JAX_FA4_DQ_FOLD=1 / 0 (dQ converted in the main kernel / by the postprocess,
+    Note [dQ fold]) and the store-first switches blanked, for A/B runs."""
+    from jax_fa4.config import dq_first_max_sq_override, dq_fold_override, dq_store_first_override
+
+    impls = ba.jax_impls({"fold", "nofold"})
+    assert impls["jax_fa4_fold"] is impls["jax_fa4_nofold"] is impls["jax_fa4"]
+    for name, want in (("jax_fa4_fold", True), ("jax_fa4_nofold", False)):
+        with ba.environment(ba.ENV_OF[name]):
+            assert dq_fold_override("sm_90a", 128) == want
+            assert dq_store_first_override("sm_90a", 128) is None
+            assert dq_first_max_sq_override() is None

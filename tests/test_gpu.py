@@ -212,6 +212,45 @@ def test_backward_store_first_by_length(monkeypatch, shape, d, causal, max_sq):
     _assert_grads_2x(got, q, k, v, dout, dlse, causal)
 
 
+@pytest.mark.parametrize("shape,d,causal", [
+    ((2, 1000, 1000, 8, 2), 128, True),  # GQA, a partial last block, tiles of 64
+    ((2, 1000, 1000, 8, 2), 128, False),
+    ((1, 777, 4097, 2, 1), 64, False),  # Sk > Sq, tiles of 128 (two staged pieces)
+    ((2, 1200, 333, 4, 4), 64, True),  # Sq > Sk: the query blocks of key block 0 only
+    ((3, 1, 1, 4, 4), 128, True),  # one row, one key block
+    ((1, 4096, 4096, 16, 16), 128, True),  # many CTAs per query block
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("lag", ["1", "3"])
+def test_backward_dq_fold(monkeypatch, shape, d, causal, lag):
+    """JAX_FA4_DQ_FOLD=1 (Note [dQ fold]): the last key block to add into a query
+    block converts it, so dQ comes from the main kernel and no postprocess runs.
+    Every output is poisoned (NaN), so a query block nobody converted, or a row
+    written twice from a partial sum, fails the 2x rule; run twice, since the
+    converting CTA changes from run to run. lag: the dQ warp hands an item on that
+    many items after its adds."""
+    from jax_fa4.config import DQ_FIRST_MAX_SQ_ENV, DQ_FOLD_ENV, DQ_STORE_FIRST_ENV
+
+    monkeypatch.delenv(DQ_STORE_FIRST_ENV, raising=False)
+    monkeypatch.delenv(DQ_FIRST_MAX_SQ_ENV, raising=False)
+    monkeypatch.setenv(DQ_FOLD_ENV, lag)
+    b, sq, sk, hq, hkv = shape
+    q, k, v = rand_qkv(sq + 11 * d, b, sq, sk, hq, hkv, d)
+    dout, dlse = _cotangents(sq + 5, b, sq, hq, d)
+
+    def grads(q, k, v, dout, dlse):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, return_lse=True, implementation="cute"), q, k, v)
+        return pullback((dout.astype(out.dtype), dlse))
+
+    fn = jax.jit(grads)
+    # forward, preprocess, main kernel: no postprocess
+    assert fn.lower(q, k, v, dout, dlse).as_text().count("stablehlo.custom_call") == 3
+    with poison_outputs():
+        runs = [jax.block_until_ready(fn(q, k, v, dout, dlse)) for _ in range(2)]
+    for got in runs:
+        _assert_grads_2x(got, q, k, v, dout, dlse, causal)
+
+
 def test_vmap_of_grad_on_kernel():
     q, k, v = rand_qkv(11, 2, 130, 130, 4, 2, 64)
     qs = jnp.stack([q, (q.astype(jnp.float32) * 0.5).astype(q.dtype), -q])
@@ -333,7 +372,9 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     "dynamic_lpt": (True, {"persistent": True, "lpt": True}),
     # hdim 256: persistent CTAs with O in the Q buffer (no SMEM for a separate one).
     "persistent_o_in_q": (False, {"persistent": True, "separate_o": False}),
-    "dynamic_o_in_q": (True, {"persistent": True, "separate_o": False}),
+    # The dynamic scheduler does not serve the table's K/V multicast at hdim 256
+    # causal (cluster_m 2 since the twenty-second session).
+    "dynamic_o_in_q": (True, {"persistent": True, "separate_o": False, "cluster_m": 1}),
     # FA4's software exp2 for a quarter of P's elements (Note [Software exp2]).
     "sw_exp2": (False, {"sw_exp2_per_32": 8}),
     "sw_exp2_causal": (True, {"sw_exp2_per_32": 8}),

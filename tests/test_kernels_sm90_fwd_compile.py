@@ -681,7 +681,8 @@ def test_fwd_q_in_regs_knob(tmp_path, causal):
 @pytest.mark.parametrize("d", [128, 256])
 def test_fwd_kv_multicast_knob(tmp_path, d):
     """Sm90FwdTiles.cluster_m (Note [K/V multicast]; the table's at hdim 128 / 256
-    non-causal since the twenty-first session): with 2, every K / V load is a
+    non-causal since the twenty-first session, hdim 256 causal since the
+    twenty-second): with 2, every K / V load is a
     multicast TMA (UTMALDG ... MULTICAST) and Q's stay plain, consumer releases of
     K / V stages go to both CTAs' barriers (remote arrives, .RED), and the CTAs
     meet at a cluster barrier at the start and before they exit; with 1 none of
@@ -693,7 +694,8 @@ def test_fwd_kv_multicast_knob(tmp_path, d):
 
     table = {(x, c): fwd_tiles(x, x, c).cluster_m for x in (64, 128, 256)
              for c in (False, True)}
-    assert table == {(x, c): 2 if x >= 128 and not c else 1 for x, c in table}, table
+    assert table == {(x, c): 2 if (x >= 128 and not c) or x == 256 else 1
+                     for x, c in table}, table
     got = {}
     for c in (1, 2):
         _, sass = _knob_sass(tmp_path, f"mc{c}_{d}", d, False, cluster_m=c)

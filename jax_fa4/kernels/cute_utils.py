@@ -201,6 +201,62 @@ def bulk_store(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *, loc=None
     _bulk_s2g("cp.async.bulk.global.shared::cta.bulk_group", dst, src, num_bytes, loc, ip)
 
 
+@dsl_user_op
+def bulk_load_g2s(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, mbar: cute.Pointer, *,
+                  loc=None, ip=None) -> None:
+    """dst[:] = src[:]: one 1-D bulk copy of ``num_bytes`` from global memory to this
+    CTA's SMEM, whose arrival completes ``num_bytes`` of the transaction count of the
+    mbarrier at ``mbar`` (arm it with ``mbarrier_arrive_and_expect_tx`` first). Both
+    addresses 16-byte aligned, num_bytes a multiple of 16; issue it from one thread."""
+    if num_bytes % 16:
+        raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
+    llvm.inline_asm(
+        None,
+        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip),
+         mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[$0], [$1], $2, [$3];",
+        "r,l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def pack_f32x2(lo, hi, dtype: type[cutlass.Numeric], *, loc=None, ip=None) -> Int32:
+    """Two floats rounded to ``dtype`` (bf16 / fp16, round to nearest even) in one
+    32-bit word, ``lo`` in the low half (the lower address in memory)."""
+    op = {cutlass.BFloat16: "bf16x2", cutlass.Float16: "f16x2"}[dtype]
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip),
+         cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{op}.f32 $0, $1, $2;",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def st_global_b32(ptr: cute.Pointer, value, *, loc=None, ip=None) -> None:
+    """One 32-bit global store of ``value`` (an Int32) at ``ptr`` (4-byte aligned)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+         Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.b32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 class DqSemaphoreCall:
     """The call of a deterministic backward main kernel (put before the kernel class
     in the bases): the backward operands with mdQsem, (B, Hq, ceil(Sq / tile_m))

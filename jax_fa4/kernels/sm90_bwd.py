@@ -63,16 +63,19 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
+    bulk_load_g2s,
     bulk_reduce_add_f32,
     bulk_store,
     consumer_release_elected,
     convert_to_operand_a,
     init_bwd_kernel,
+    pack_f32x2,
     pdl_start,
     semaphore_release_after_bulk,
     semaphore_wait,
     semaphore_wait_at_least,
     sm90_smem_layout,
+    st_global_b32,
     stmatrix_acc,
     tma_store_tile,
     tma_tile_partition,
@@ -95,6 +98,8 @@ LOG2_E = math.log2(math.e)
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM
+# Note [dQ fold]: slots of the ring of landed items from the dQ warp to the counting warp.
+FOLD_RING = 4
 # The dQ hand-off (Sm90BwdCommon): FlashBwdSm90.bar_dq_full = 2 and bar_dq_empty = 4,
 # with dq_per_wg one of each per warpgroup (2, 3 and 4, 5).
 
@@ -246,8 +251,14 @@ class BwdTiles:
     dq_first_max_seqlen_q: int = 0
     # Not deterministic, not store first: two SMEM buffers for the dQ partial (as
     # dq_double), so the MMA warpgroups write item it + 1 while the bulk engine
-    # still reads item it. Off: not yet timed.
+    # still reads item it. Off: 0.978-0.994x the one-buffer kernel on the H200
+    # (hdim 128, 1k-16k; twenty-second session).
     dq_double_add: bool = False
+    # Not deterministic, not store first, one CTA per key block, > 0: the backward
+    # runs as FlashBwdSm90Fold (the lowering reads this; Note [dQ fold]): the last key
+    # block to add into a query block converts it to dQ, and no postprocess runs. The
+    # dQ warp hands an item on this many items after its adds (the lag). 0: off.
+    dq_fold: int = 0
 
 
 # The tuning table: (head dim, causal) -> (tile_m, dq_per_wg, dv_before_ds, dq_flat,
@@ -435,6 +446,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         use_pdl: bool = False,
         dq_store_first: bool = False,
         dq_first_max_seqlen_q: int | None = None,
+        dq_fold: int = 0,
     ):
         init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
@@ -492,6 +504,16 @@ class FlashBwdSm90(Sm90BwdCommon):
         # Two dQ buffers: BwdTiles.dq_double for the store-first kernel (whose add
         # path, by length, uses them too), dq_double_add for the add-only one; never
         # deterministic.
+        # The last key block to add into a query block writes dQ (Note [dQ fold]);
+        # the dQ warp hands on item it - dq_fold after issuing item it's adds.
+        self.dq_fold = int(dq_fold)
+        if not 0 <= self.dq_fold <= 8:
+            raise ValueError(f"dq_fold must be 0 (off) or a lag from 1 to 8, got {dq_fold}")
+        if dq_fold and (deterministic or dq_store_first or not t.dq_flat or t.persistent
+                        or self.dq_swap or self._dq_part()[1] != 64):
+            raise ValueError("dq_fold needs the non-deterministic add-only backward with "
+                             "the flat dQ accumulator (BwdTiles.dq_flat, tile_m 64 or 128) "
+                             "and a CTA per key block (BwdTiles.persistent off)")
         two = (t.dq_double and dq_store_first) or (t.dq_double_add and not dq_store_first)
         self.dq_bufs = 2 if two and not deterministic and t.dq_flat else 1
         self.num_sms = sm_count() if t.persistent else 0
@@ -558,9 +580,10 @@ class FlashBwdSm90(Sm90BwdCommon):
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mdQsem: cute.Tensor | None):
+               mdQsem: cute.Tensor | None, mdQ: cute.Tensor | None = None):
         """The host side of ``__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)) int32,
-        zero at launch, with the deterministic or the store-first backward, else None."""
+        zero at launch, with the deterministic, the store-first or the folding
+        backward, else None; mdQ: (B, Sq, Hq, D), the folding backward's dQ."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
@@ -598,21 +621,27 @@ class FlashBwdSm90(Sm90BwdCommon):
         tma_dK, gmem_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (tn, d))
         tma_dV, gmem_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (tn, self.head_dim_v))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 4 if self.split_kv else 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
-            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[
-                cute.struct.MemRange[Float32, cute.cosize(sdQ_layout) * self.dq_bufs], 1024]
+        mr, al = cute.struct.MemRange, cute.struct.Align
+        fields = {
+            "mbar_qdo": mr[cutlass.Int64, 2 * st],
+            "mbar_kv": mr[cutlass.Int64, 4 if self.split_kv else 2],
+            "sLSE": al[mr[Float32, row_stage * st], 128],
+            "sDpsum": al[mr[Float32, row_stage * st], 128],
+            "sQ": al[mr[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sdO": al[mr[self.dtype, cute.cosize(sdO_layout)], 1024],
+            "sK": al[mr[self.dtype, cute.cosize(sK_layout)], 1024],
+            "sV": al[mr[self.dtype, cute.cosize(sV_layout)], 1024],
+            "sdS": al[mr[self.dtype, cute.cosize(sdS_layout)], 1024],
+            "sdQ": al[mr[Float32, cute.cosize(sdQ_layout) * self.dq_bufs], 1024],
+        }
+        if const_expr(self.dq_fold):
+            # Note [dQ fold]: the job / ring mbarriers and words, the staging tile.
+            fields.update({
+                "mbar_conv": mr[cutlass.Int64, 3 + 2 * FOLD_RING],
+                "conv_job": mr[Int32, 2 + 2 * FOLD_RING],
+                "sConv": al[mr[Float32, tm * d // self.conv_pieces], 128],
+            })
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         self.check_smem(SharedStorage)
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
@@ -626,7 +655,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             lpt_divs = self.lpt_host_divisors(num_n_blocks, mQ, mK)
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
-            mdQsem, lpt_divs, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK,
+            mdQsem, mdQ, lpt_divs, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK,
             tma_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
@@ -687,7 +716,8 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdQaccum: cute.Tensor,  # (Sq_pad, D, Hq, B) f32: TMA view, or plain if dq_flat
         mdK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
-        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic, store first)
+        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic, store first, fold)
+        mdQ: cute.Tensor | None,  # (B, Sq, Hq, D) out (fold)
         lpt_divs: tuple | None,  # lpt_host_divisors (BwdTiles.lpt_host_div only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
@@ -734,6 +764,21 @@ class FlashBwdSm90(Sm90BwdCommon):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        conv = None
+        if const_expr(self.dq_fold):
+            # Note [dQ fold]: (staging tile, [full, empty] mbarriers, job words). The
+            # pipelines' creation below fences and syncs after these inits.
+            conv = (storage.sConv.get_tensor(
+                        cute.make_layout(self.tile_m * self.head_dim // self.conv_pieces)),
+                    storage.mbar_conv.data_ptr(),
+                    storage.conv_job.get_tensor(cute.make_layout(2 + 2 * FOLD_RING)))
+            if tidx == 0:
+                cute.arch.mbarrier_init(conv[1], 1)  # job posted
+                cute.arch.mbarrier_init(conv[1] + 1, self.conv_threads)  # job done
+                cute.arch.mbarrier_init(conv[1] + 2, 1)  # staged piece landed
+                for slot in cutlass.range_constexpr(FOLD_RING):
+                    cute.arch.mbarrier_init(conv[1] + 3 + slot, 1)  # item landed
+                    cute.arch.mbarrier_init(conv[1] + 3 + FOLD_RING + slot, 1)  # slot free
 
         pipe_qdo, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
 
@@ -773,8 +818,18 @@ class FlashBwdSm90(Sm90BwdCommon):
                           pipe_qdo, pipe_kv, n_block, head_kv, batch, group,
                           m_block_min, num_m, num_iters)
             if warp_idx == 1:
-                self.store_dq(mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks, head_kv,
-                              batch, group, m_block_min, num_m, num_iters)
+                if const_expr(self.dq_fold):
+                    self.store_dq_flat_fold(mdQaccum, sdQ, conv, head_kv, batch, group,
+                                            m_block_min, num_m, num_iters)
+                else:
+                    self.store_dq(mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks,
+                                  head_kv, batch, group, m_block_min, num_m, num_iters)
+            if const_expr(self.dq_fold):
+                if warp_idx == 2:
+                    if cute.arch.lane_idx() == 0:
+                        self.dq_fold_counter(mdQsem, conv, batch, num_n_blocks)
+                if warp_idx == 3:
+                    self.dq_convert(mdQaccum, mdQ, conv, batch, seqlen_q, tidx - 96)
         else:
             cute.arch.setmaxregister_increase(self.tiles.regs_mma)
             self.mma(mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
@@ -989,6 +1044,183 @@ class FlashBwdSm90(Sm90BwdCommon):
                     DQ_STORED)
             # The reduce-adds must land before the kernel ends.
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    # Note [dQ fold]: warp 3 of the producer warpgroup converts.
+    conv_threads = 32
+
+    @property
+    def conv_pieces(self) -> int:
+        """The staging tile holds a query block's fp32 sums in this many pieces: two
+        at tile_m 128 (hdim 64), whose 32 KiB more would not fit in SMEM."""
+        return 2 if self.tile_m == 128 else 1
+
+    def dq_contributors(self, m_block, num_n_blocks):
+        """How many key blocks add a dQ partial into query block ``m_block`` (the
+        work lists of ``work_list``; causal: those whose first key is <= the block's
+        last query)."""
+        if const_expr(self.causal):
+            return cutlass.min(num_n_blocks,
+                               cute.ceil_div((m_block + 1) * self.tile_m, self.tile_n))
+        return num_n_blocks
+
+    @cute.jit
+    def store_dq_flat_fold(self, mdQaccum, sdQ, conv, head_kv, batch, group, m_block_min,
+                           num_m, num_iters):
+        """Warp 1 with ``dq_fold`` (Note [dQ fold]): ``store_dq_flat``'s reduce-adds,
+        and once an item's adds have landed (checked ``dq_fold`` items later, so the
+        wait overlaps the items between) its query block goes to the counting warp."""
+        tm, d = self.tile_m, self.head_dim
+        n_parts = self.num_mma_wg if const_expr(self.tiles.dq_per_wg) else 1
+        part = tm * d // n_parts
+        nthr = self.num_mma_threads // n_parts + 32
+        lane = cute.arch.lane_idx()
+        lag = self.dq_fold
+        two = const_expr(self.dq_bufs == 2)
+        self.dq_bufs_open(two, num_iters, n_parts, nthr)
+        for it in cutlass.range(num_iters, unroll=1):
+            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
+            bar_off, src = self.dq_buf_turn(two, it, num_iters, n_parts, nthr, sdQ)
+            self.dq_parts_out(False, gdQ, src, bar_off, n_parts, part, nthr, lane)
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if it >= lag:
+                    # Items it - lag + 1 .. it (lag * n_parts groups) may still be in
+                    # flight; item it - lag has landed once at most that many are.
+                    cute.arch.cp_async_bulk_wait_group(lag * n_parts, read=False)
+                    done_h, done_m = self.work_item(it - lag, head_kv, group, m_block_min,
+                                                    num_m)
+                    self.dq_fold_post(conv, done_h, done_m, it - lag)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            for it in cutlass.range(cutlass.max(num_iters - lag, 0), num_iters, unroll=1):
+                done_h, done_m = self.work_item(it, head_kv, group, m_block_min, num_m)
+                self.dq_fold_post(conv, done_h, done_m, it)
+            self.dq_fold_post(conv, Int32(0), Int32(-1), num_iters)  # the end
+
+    @cute.jit
+    def dq_fold_post(self, conv, head_q, m_block, n):
+        """dQ warp, one lane: the n-th landed item (head_q, m_block) into slot n %
+        FOLD_RING of the ring the counting warp reads (once that slot is free);
+        ``m_block`` < 0: the end of the walk. The fence orders the landed bulk adds
+        (async proxy) before the counting warp's release."""
+        _, mbar, s_job = conv
+        slot = n % FOLD_RING
+        if n >= FOLD_RING:
+            cute.arch.mbarrier_wait(mbar + 3 + FOLD_RING + slot, (n // FOLD_RING - 1) % 2)
+        cute.arch.fence_proxy("async.global")
+        s_job[2 + 2 * slot] = head_q
+        s_job[3 + 2 * slot] = m_block
+        cute.arch.mbarrier_arrive(mbar + 3 + slot)
+
+    @cute.jit
+    def dq_fold_counter(self, mdQsem, conv, batch, num_n_blocks):
+        """Warp 2, one lane, with ``dq_fold`` (Note [dQ fold]): per landed item from
+        the dQ warp, one count on its query block's semaphore (acquire-release, GPU
+        scope); the count that completes the block posts it to the converting warp
+        (once that is done with the previous one). Passes the end on."""
+        _, mbar, s_job = conv
+        got = Int32(0)
+        jobs = Int32(0)
+        m_block = Int32(0)
+        while m_block >= 0:
+            slot = got % FOLD_RING
+            cute.arch.mbarrier_wait(mbar + 3 + slot, (got // FOLD_RING) % 2)
+            head_q = s_job[2 + 2 * slot]
+            m_block = s_job[3 + 2 * slot]
+            cute.arch.mbarrier_arrive(mbar + 3 + FOLD_RING + slot)
+            got = got + 1
+            post = Int32(1)
+            if m_block >= 0:
+                sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
+                                                         mdQsem.layout)
+                old = cute.arch.atomic_add(sem_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                if old + 1 != self.dq_contributors(m_block, num_n_blocks):
+                    post = Int32(0)
+            if post == 1:
+                if jobs > 0:
+                    cute.arch.mbarrier_wait(mbar + 1, (jobs - 1) % 2)
+                s_job[0] = head_q
+                s_job[1] = m_block
+                cute.arch.mbarrier_arrive(mbar)
+                jobs = jobs + 1
+
+    @cute.jit
+    def dq_convert(self, mdQaccum, mdQ, conv, batch, seqlen_q, tid):
+        """Warps 2 and 3 with ``dq_fold`` (Note [dQ fold]): per job, the query block's
+        fp32 sums bulk-loaded into the staging tile (``conv_pieces`` pieces, one at a
+        time), times the softmax scale, rounded to dtype and written to dQ (B, Sq,
+        Hq, D) as 32-bit stores, rows past seqlen_q skipped. SMEM reads are 128-bit,
+        consecutive threads on consecutive 16 bytes (the flat order: no conflicts)."""
+        s_conv, mbar, s_job = conv
+        tm, d = self.tile_m, self.head_dim
+        wg_m = self.wg_m_dq
+        n_cols = self._dq_part()[1]  # N of Note [Flat dQ accumulator]
+        nt = self.conv_threads
+        pieces = self.conv_pieces
+        piece_bytes = tm * d * 4 // pieces
+        k_per_piece = tm * d // (4 * nt * pieces)
+        s2r = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout(nt), cute.make_layout(4))
+        tS = s2r.get_slice(tid).partition_S(s_conv)
+        # Chunk c = nt k + tid holds MMA thread t = c % 128's registers 4 q .. 4 q + 3
+        # of warpgroup w: rows r, r + 8 and columns col, col + 1 (Note [Flat dQ
+        # accumulator]). The tid-dependent part of (r, col):
+        row0 = 16 * (tid // 32) + (tid % 32) // 4
+        col0 = 2 * (tid % 4)
+        s_row, s_col = mdQ.layout.stride[1], mdQ.layout.stride[3]
+        sc = self.softmax_scale
+        job_phase = Int32(0)
+        data_phase = Int32(0)
+        m_block = Int32(0)
+        while m_block >= 0:
+            cute.arch.mbarrier_wait(mbar, job_phase)
+            job_phase = job_phase ^ 1
+            head_q = s_job[0]
+            m_block = s_job[1]
+            if m_block >= 0:
+                src = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d),
+                                      (m_block, 0)).iterator
+                rows_left = seqlen_q - m_block * tm - row0
+                base = mdQ.iterator + cute.crd2idx((batch, m_block * tm + row0, head_q, col0),
+                                                   mdQ.layout)
+                for p in cutlass.range_constexpr(pieces):
+                    if const_expr(p > 0):  # every lane has read the previous piece
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_warp()
+                    if tid == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2, piece_bytes)
+                        # The counting warp's acquire (its semaphore count, then the
+                        # job mbarrier) orders every CTA's reduce-adds before this
+                        # (async proxy) read.
+                        cute.arch.fence_proxy("async.global")
+                        bulk_load_g2s(s_conv.iterator, src + p * (piece_bytes // 4),
+                                      piece_bytes, mbar + 2)
+                    cute.arch.mbarrier_wait(mbar + 2, data_phase)
+                    data_phase = data_phase ^ 1
+                    # Chunk kk = 4 j + g of the piece: rows r, r + 8 with r = r_base +
+                    # 16 g, columns 8 j, 8 j + 1 (plus row0, col0). One row pair per
+                    # (run-time) g keeps two row pointers live, not sixteen.
+                    r_base = 64 * (((p * k_per_piece * nt) // (16 * n_cols)) % wg_m)
+                    for g in cutlass.range(4, unroll=1):
+                        r = r_base + 16 * g
+                        p_top = base + r * s_row
+                        p_bot = p_top + 8 * s_row
+                        top_ok = r < rows_left
+                        bot_ok = r + 8 < rows_left
+                        for j in cutlass.range_constexpr(k_per_piece // 4):
+                            frag = cute.make_rmem_tensor((4,), Float32)
+                            cute.copy(s2r, tS[None, 4 * j + g], frag)
+                            top = pack_f32x2(frag[0] * sc, frag[1] * sc, self.dtype)
+                            bot = pack_f32x2(frag[2] * sc, frag[3] * sc, self.dtype)
+                            if top_ok:
+                                st_global_b32(p_top + 8 * j * s_col, top)
+                            if bot_ok:
+                                st_global_b32(p_bot + 8 * j * s_col, bot)
+                # The next job's bulk load writes the tile these reads came from.
+                cute.arch.fence_view_async_shared()
+                cute.arch.mbarrier_arrive(mbar + 1)
 
     # BwdTiles.dq_double: buffer b's barrier pair is (bar_dq_full, bar_dq_empty)
     # + dq_buf_bar * b, per warpgroup part as with one buffer (IDs 6-9 for b = 1).
@@ -1382,6 +1614,42 @@ class FlashBwdSm90Deterministic(DqSemaphoreCall, FlashBwdSm90):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, deterministic=True, **kwargs)
+
+
+class FlashBwdSm90Fold(FlashBwdSm90):
+    """The sm90 backward (hdim 64/128, flat dQ, not deterministic) that writes dQ
+    itself: the last key block to add into a query block converts it (Note [dQ
+    fold]), so no postprocess runs. The call takes mdQsem after mdQaccum, (B, Hq,
+    ceil(Sq / tile_m)) int32, zero at launch (the preprocess zeroes it with
+    dQaccum), and mdQ (B, Sq, Hq, D) in dtype after mdV."""
+
+    def __init__(self, *args, dq_fold: int = 1, **kwargs):
+        if not dq_fold:
+            raise ValueError("FlashBwdSm90Fold needs a lag dq_fold >= 1")
+        super().__init__(*args, dq_fold=dq_fold, **kwargs)
+
+    @cute.jit
+    def __call__(
+        self,
+        stream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32
+        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, zero at launch
+        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
+        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mdQ: cute.Tensor,  # (B, Sq, Hq, D), out
+    ):
+        if const_expr(mdQsem.element_type != Int32):
+            raise TypeError("the dQ semaphores must be int32")
+        if const_expr(mdQ.element_type != self.dtype):
+            raise TypeError("dQ must have the kernel's dtype")
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,
+                    mdQ)
 
 
 class FlashBwdSm90StoreFirst(DqSemaphoreCall, FlashBwdSm90):

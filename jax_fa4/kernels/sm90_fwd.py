@@ -264,14 +264,16 @@ class Sm90FwdTiles:
     q_in_regs: bool = False
     # CTAs in clusters of this many along the query blocks (1 or 2), FA3's choice
     # at head dims >= 128 non-causal on Hopper; causal only with a CTA per tile
-    # (not the dynamic scheduler; not yet run on a GPU). The CTAs of a cluster run
+    # (not the dynamic scheduler). The CTAs of a cluster run
     # adjacent query blocks of one head in step and share each K / V block: each
     # loads 1 / cluster_m of its rows and multicasts them into every CTA of the
     # cluster (Note [K/V multicast]). In the table at hdim 128 / 256 non-causal
     # (twenty-first session, 1 s phases x 3 under the power cap, x without it:
     # hdim 128 1k 1.034, 4k 1.011, 16k 1.009, hdim 256 8k 1.017, energy per FLOP
     # 0.96-0.99); off at hdim 64 (8k: 0.964; 43 query blocks of 192 rows a head,
-    # so every head's last cluster runs one block past the end).
+    # so every head's last cluster runs one block past the end). In the table at
+    # hdim 256 causal too (a CTA per tile; twenty-second session, same probe: 8k
+    # 1.033, energy per FLOP 0.966); hdim 128 causal keeps its dynamic scheduler.
     cluster_m: int = 1
 
 
@@ -413,7 +415,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
     conversions pinned (pin_p) at hdim 64 / 128, the quad shuffles' plain fmax
     (quad_fmax) everywhere, the keep-bitmask causal mask at hdim 64, and Q as the
     register operand of S = Q K^T (q_in_regs) at hdim 128 non-causal; K / V
-    multicast in clusters of two CTAs (cluster_m) at hdim 128 / 256 non-causal.
+    multicast in clusters of two CTAs (cluster_m) at hdim 128 / 256 non-causal and
+    hdim 256 causal.
     """
     d = max(head_dim, head_dim_v)
     if d <= 64:
@@ -457,7 +460,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         pin_p=d <= 128,
         quad_fmax=True,
         q_in_regs=not causal and head_dim == head_dim_v == 128,
-        cluster_m=1 if causal else 2,
+        cluster_m=2 if not causal or d > 128 else 1,
     )
 
 

@@ -19,6 +19,7 @@ from jax_fa4.config import (
     KernelKey,
     deterministic_bwd_support_error,
     dq_first_max_sq_override,
+    dq_fold_override,
     dq_store_first_override,
     dtype_name,
     pdl_enabled,
@@ -36,13 +37,18 @@ def unavailable(arch: str) -> str | None:
 
 
 def _key(kind: str, arch: str, q, v, config: AttentionConfig,
-         dq_store_first: tuple[bool, int] | None = None) -> KernelKey:
+         dq_store_first: tuple[bool, int] | None = None,
+         dq_fold: int | None = None) -> KernelKey:
     """The compile key of one kernel. dq_store_first: the main kernel's (store first,
-    up to which query length) choice, which its preprocess follows (None: the main
+    up to which query length) choice, dq_fold: whether it writes dQ, with which
+    lag (0: no; Note [dQ fold]); its preprocess follows both (None: the main
     kernels read the tile table, the others say no)."""
     if dq_store_first is None:
         dq_store_first = (_table_store_first(arch, q, config, kind)
                           if kind in ("bwd", "bwd_det") else (False, 0))
+    if dq_fold is None:
+        dq_fold = (_table_fold(arch, q, config)
+                   if kind == "bwd" and not dq_store_first[0] else 0)
     return KernelKey(
         kind=kind,
         arch=arch,
@@ -57,7 +63,20 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig,
         # (Note [dQ store first]); the postprocess is the same either way.
         dq_store_first=dq_store_first[0],
         dq_first_max_sq=dq_store_first[1],
+        dq_fold=dq_fold,
     )
+
+
+def _table_fold(arch: str, q, config: AttentionConfig) -> int:
+    """Whether (> 0, the lag) the non-deterministic backward main kernel writes dQ
+    (Note [dQ fold]): ``$JAX_FA4_DQ_FOLD`` if set, else the sm90 tile table."""
+    d = int(q.shape[-1])
+    override = dq_fold_override(arch, d)
+    if override is not None:
+        return override
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    return bwd_tiles(d, config.causal).dq_fold
 
 
 def _table_store_first(arch: str, q, config: AttentionConfig, kind: str) -> tuple[bool, int]:
@@ -196,7 +215,9 @@ def _pre_kernel(key: KernelKey):
     if key.kind == "bwd_pre_by_thread":
         block = _stats_block(key.arch, key.head_dim, key.causal)
     store_first = {}
-    if key.dq_store_first:  # dQaccum is left alone (up to dq_first_max_sq: Note [dQ
+    if key.dq_fold:  # dQaccum zeroed, and the main kernel's semaphores (Note [dQ fold])
+        store_first = {"sem_tile_m": _sem_tile_m(key)}
+    elif key.dq_store_first:  # dQaccum is left alone (up to dq_first_max_sq: Note [dQ
         # store first by length]); the main kernel's semaphores zeroed
         store_first = {"zero_dq": False, "sem_tile_m": _sem_tile_m(key),
                        "zero_dq_above": key.dq_first_max_sq}
@@ -224,6 +245,8 @@ def _bwd_kernel(key: KernelKey):
         from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
     elif key.arch == "sm_90a" and key.dq_store_first:
         from jax_fa4.kernels.sm90_bwd import FlashBwdSm90StoreFirst as Kernel
+    elif key.arch == "sm_90a" and key.dq_fold:
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Fold as Kernel
     elif key.arch == "sm_90a":
         from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
     elif key.arch == "sm_100a":  # compiled, not run on hardware
@@ -235,6 +258,8 @@ def _bwd_kernel(key: KernelKey):
         extra["dq_store_first"] = True
     if key.kind == "bwd" and key.dq_first_max_sq:  # FlashBwdSm90StoreFirst, by length
         extra["dq_first_max_seqlen_q"] = key.dq_first_max_sq
+    if key.kind == "bwd" and key.dq_fold and not key.dq_store_first:  # FlashBwdSm90Fold
+        extra["dq_fold"] = key.dq_fold
     return Kernel(_cutlass_dtype(key.dtype), key.head_dim, key.head_dim_v, key.causal, key.scale,
                   **extra)
 
@@ -290,11 +315,13 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     pre_causal = pre_kind == "bwd_pre_by_thread" or main_key.dq_store_first
     pre_key = _key(pre_kind, arch, q, v,
                    AttentionConfig(scale=1.0, causal=pre_causal and config.causal),
-                   dq_store_first=(main_key.dq_store_first, main_key.dq_first_max_sq))
+                   dq_store_first=(main_key.dq_store_first, main_key.dq_first_max_sq),
+                   dq_fold=main_key.dq_fold)
     pre_outs, pre_static = ws_structs, (_BHS, _BHS, _BSHD)
-    needs_sem = deterministic or main_key.dq_store_first
+    pre_sem = main_key.dq_store_first or main_key.dq_fold
+    needs_sem = deterministic or pre_sem
     sem_shape = (b, hq, -(-sq // _sem_tile_m(main_key))) if needs_sem else None
-    if main_key.dq_store_first:
+    if pre_sem:
         # The main kernel's per-query-block semaphores, zeroed by the preprocess.
         pre_outs += (jax.ShapeDtypeStruct(sem_shape, jax.numpy.int32),)
         pre_static += (_BHS,)
@@ -315,12 +342,15 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     if needs_sem:
         # One int32 semaphore per query block, zero at launch (from the preprocess,
         # or a fresh XLA zero), updated in place and dropped.
-        sem = pre[3] if main_key.dq_store_first else jax.numpy.zeros(sem_shape, jax.numpy.int32)
+        sem = pre[3] if pre_sem else jax.numpy.zeros(sem_shape, jax.numpy.int32)
         inputs, in_static = inputs + (sem,), in_static + (_BHS,)
         outs, out_static = outs + (jax.ShapeDtypeStruct(sem_shape, sem.dtype),), out_static + (
             _BHS,)
         aliases[7] = 3
-    dq_accum, dk, dv = kernel_call(
+    if main_key.dq_fold:  # the main kernel writes dQ (Note [dQ fold]): no postprocess
+        outs, out_static = outs + (jax.ShapeDtypeStruct(q.shape, q.dtype),), out_static + (
+            _BSHD,)
+    main = kernel_call(
         main_key,
         functools.partial(_bwd_kernel, main_key),
         inputs,
@@ -328,7 +358,10 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
         in_static=in_static,
         out_static=out_static,
         aliases=aliases,
-    )[:3]
+    )
+    dq_accum, dk, dv = main[:3]
+    if main_key.dq_fold:
+        return main[4], dk, dv
     # The postprocess reads dQaccum in the order the main kernel's tiles wrote it,
     # which its tile table may choose per mask.
     post_key = _key("bwd_post", arch, q, v,
