@@ -64,6 +64,44 @@ zeroes dQaccum as the add-only backward's does, and the main kernel's dQ warp
 reduce-adds every partial (the semaphores, zeroed either way, go unused). The MMA
 warpgroups are the same in both: two dQ buffers (``BwdTiles.dq_double``), which the
 add path then uses as ``dq_double_add`` does.
+
+Note [dQ fold]
+~~~~~~~~~~~~~~
+The postprocess reads the whole fp32 dQaccum back from DRAM and writes dQ: about a
+tenth of the backward at 1k tokens (49 of 474 us of kernels, hdim 128 causal,
+nineteenth session). With ``BwdTiles.dq_fold`` = L > 0 (``FlashBwdSm90Fold``; not
+deterministic, not store first, a CTA per key block) the main kernel writes dQ
+itself and no postprocess runs:
+
+- The dQ warp reduce-adds each item's partial as before. Once item it - L's adds
+  have landed (``cp.async.bulk.wait_group`` L * n_parts after issuing item it, so
+  the wait overlaps L items), it posts that item's index to a ring of FOLD_RING
+  mbarrier slots.
+- Warp 2 (one lane) takes each posted item and counts it on its query block's
+  int32 semaphore (zeroed by the preprocess with dQaccum) with a GPU-scope
+  acquire-release atomic add. The count that reaches the block's number of
+  contributing key blocks (``dq_contributors``: every key block in causal top-left
+  order whose first key is <= the block's last query; at least key block 0, since
+  Sk >= 1) posts the block to warp 3.
+- Warp 3 bulk-loads the block's fp32 sums into a staging tile (one piece, or two
+  at tile_m 128 where SMEM has room for half a block only), multiplies by the
+  softmax scale, rounds to bf16 / fp16 and writes dQ (B, Sq, Hq, D) with 32-bit
+  stores, skipping rows past Sq. It reads the staging tile in this module's flat
+  order, 128-bit loads by consecutive lanes (no bank conflicts): chunk c = 32 k +
+  lane holds MMA thread t = c % 128's registers 4 q .. 4 q + 3 of warpgroup w,
+  rows r, r + 8 and columns col, col + 1 of the formula above. At N = 64 (both
+  tiles that fold) chunk 4 j + g of a piece is rows r_base + 16 g + lane // 4 (+ 8)
+  and columns 8 j + 2 (lane % 4) (+ 1).
+
+Ordering: the landed adds (async proxy) are fenced (``fence.proxy.async.global``)
+before the post, the count's release carries them to the converting CTA, whose
+acquire, job mbarrier and proxy fence order the staging load after them.
+
+On the H200 it measured 0.89-0.93x the postprocess backward at every length
+(twenty-second session; docs/performance.md), with the count first on the dQ warp
+(v1) and then off it (v2, as above), at lag 1 and 3. The loss is in the main
+kernel's walk (it is as large at 16k, where the postprocess is 1% of the time), not
+yet explained: off in the table.
 """
 
 from __future__ import annotations

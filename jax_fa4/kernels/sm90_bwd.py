@@ -14,6 +14,9 @@ shared with the hdim 256 kernel in sm90_bwd_common.py):
                 warp 1: bulk reduce-add of the dQ partial into mdQaccum (or, with
                         dq_store_first, a bulk store of each query block's first
                         partial: Note [dQ store first] in dq_layout.py)
+                warps 2-3: idle, or with dq_fold the count of landed partials and
+                        the conversion of complete query blocks to dQ (Note [dQ
+                        fold] in dq_layout.py)
   warpgroups 1-2: the five GEMMs (wgmma) and the pointwise softmax backward
 
 Per query block the MMA warpgroups compute the transposed scores, each warpgroup

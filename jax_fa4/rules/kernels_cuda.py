@@ -3,8 +3,10 @@
 Forward: one kernel. Backward: preprocess (Dpsum, LSE in log2 units, zeroed
 fp32 dQ accumulator, or on sm_90a at head dims 64 / 128 zeroed per-query-block
 semaphores instead: Note [dQ store first]) -> main kernel (dK, dV; dQ accumulated
-in place) -> postprocess (dQ to 16-bit). Every tensor crosses the custom call in the
-`[B, S, H, D]` layout the user gave; no transposes are added around it.
+in place) -> postprocess (dQ to 16-bit), or on sm_90a with ``BwdTiles.dq_fold`` /
+$JAX_FA4_DQ_FOLD the main kernel writes dQ and no postprocess runs (Note [dQ fold]).
+Every tensor crosses the custom call in the `[B, S, H, D]` layout the user gave; no
+transposes are added around it.
 """
 
 from __future__ import annotations
