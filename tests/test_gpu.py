@@ -56,6 +56,17 @@ def _cotangents(seed, b, sq, hq, dv):
     return jax.random.normal(kd[0], (b, sq, hq, dv)), jax.random.normal(kd[1], (b, hq, sq))
 
 
+def _api_grads(causal: bool, deterministic: bool = False):
+    """(q, k, v, dout, dlse) -> (dq, dk, dv) through the public API with the kernels
+    (implementation="cute"), cotangents for the output and the LSE."""
+    def grads(q, k, v, dout, dlse):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, return_lse=True, implementation="cute",
+            deterministic=deterministic), q, k, v)
+        return pullback((dout.astype(out.dtype), dlse))
+    return grads
+
+
 def _assert_grads_2x(got, q, k, v, dout, dlse, causal):
     """(dq, dk, dv) of attention(q, k, v) with cotangents (dout, dlse) against the
     f32 reference's, by the 2x rule (the same math in q's dtype as the low side)."""
@@ -127,12 +138,7 @@ def test_backward_deterministic(shape, d, causal):
     q, k, v = rand_qkv(sq + 3 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 1, b, sq, hq, d)
 
-    @jax.jit
-    def grads(q, k, v, dout, dlse):
-        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=causal, return_lse=True, implementation="cute",
-            deterministic=True), q, k, v)
-        return pullback((dout.astype(out.dtype), dlse))
+    grads = jax.jit(_api_grads(causal, deterministic=True))
 
     from jax_fa4.kernels.sm90_bwd import bwd_tiles
 
@@ -162,11 +168,7 @@ def test_backward_store_first_switch(monkeypatch, shape, d, causal, deterministi
     q, k, v = rand_qkv(sq + 5 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 2, b, sq, hq, d)
 
-    def grads(q, k, v, dout, dlse):
-        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=causal, return_lse=True, implementation="cute",
-            deterministic=deterministic), q, k, v)
-        return pullback((dout.astype(out.dtype), dlse))
+    grads = _api_grads(causal, deterministic)
 
     runs = {}
     for env in ("1", "0"):
@@ -202,10 +204,7 @@ def test_backward_store_first_by_length(monkeypatch, shape, d, causal, max_sq):
     q, k, v = rand_qkv(sq + 7 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 3, b, sq, hq, d)
 
-    def grads(q, k, v, dout, dlse):
-        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=causal, return_lse=True, implementation="cute"), q, k, v)
-        return pullback((dout.astype(out.dtype), dlse))
+    grads = _api_grads(causal)
 
     with poison_outputs():
         got = jax.block_until_ready(jax.jit(grads)(q, k, v, dout, dlse))
@@ -237,10 +236,7 @@ def test_backward_dq_fold(monkeypatch, shape, d, causal, lag):
     q, k, v = rand_qkv(sq + 11 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 5, b, sq, hq, d)
 
-    def grads(q, k, v, dout, dlse):
-        (out, lse), pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=causal, return_lse=True, implementation="cute"), q, k, v)
-        return pullback((dout.astype(out.dtype), dlse))
+    grads = _api_grads(causal)
 
     fn = jax.jit(grads)
     # forward, preprocess, main kernel: no postprocess

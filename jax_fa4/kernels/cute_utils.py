@@ -162,22 +162,23 @@ def stat_rows_view(t: cute.Tensor, row_multiple: int) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout((s, h, b), stride=(1, s, head_stride)))
 
 
+def _ptx(text: str, operands: list, constraints: str, loc, ip, result=None):
+    """One inline PTX statement ``text`` on ``operands`` (DSL values and pointers,
+    pointers passed as integer addresses), side effects unless it has a ``result``
+    (an LLVM type, then returned)."""
+    values = [(x.toint(loc=loc, ip=ip) if isinstance(x, cute.Pointer) else x)
+              .ir_value(loc=loc, ip=ip) for x in operands]
+    return llvm.inline_asm(result, values, text, constraints,
+                           has_side_effects=result is None, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def _bulk_s2g(ptx: str, dst: cute.Pointer, src: cute.Pointer, num_bytes: int, loc, ip):
     """One 1-D bulk copy instruction ``ptx`` [dst], [src], num_bytes from SMEM to
     global memory, in the calling thread's bulk async-group."""
     if num_bytes % 16:
         raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
-    llvm.inline_asm(
-        None,
-        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        f"{ptx} [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _ptx(f"{ptx} [$0], [$1], $2;", [dst, src, Int32(num_bytes)], "l,r,r", loc, ip)
 
 
 @dsl_user_op
@@ -210,19 +211,8 @@ def bulk_load_g2s(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, mbar: cu
     addresses 16-byte aligned, num_bytes a multiple of 16; issue it from one thread."""
     if num_bytes % 16:
         raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
-    llvm.inline_asm(
-        None,
-        [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip),
-         mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-        "[$0], [$1], $2, [$3];",
-        "r,l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+         "[$0], [$1], $2, [$3];", [dst, src, Int32(num_bytes), mbar], "r,l,r,r", loc, ip)
 
 
 @dsl_user_op
@@ -230,31 +220,15 @@ def pack_f32x2(lo, hi, dtype: type[cutlass.Numeric], *, loc=None, ip=None) -> In
     """Two floats rounded to ``dtype`` (bf16 / fp16, round to nearest even) in one
     32-bit word, ``lo`` in the low half (the lower address in memory)."""
     op = {cutlass.BFloat16: "bf16x2", cutlass.Float16: "f16x2"}[dtype]
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip),
-         cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{op}.f32 $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
+    return Int32(_ptx(f"cvt.rn.{op}.f32 $0, $1, $2;",
+                      [cutlass.Float32(hi), cutlass.Float32(lo)], "=r,f,f", loc, ip,
+                      result=T.i32()))
 
 
 @dsl_user_op
 def st_global_b32(ptr: cute.Pointer, value, *, loc=None, ip=None) -> None:
     """One 32-bit global store of ``value`` (an Int32) at ``ptr`` (4-byte aligned)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-         Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.b32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _ptx("st.global.b32 [$0], $1;", [ptr, Int32(value)], "l,r", loc, ip)
 
 
 class DqSemaphoreCall:
