@@ -145,6 +145,9 @@ def test_fold_kernel_sass(tmp_path, head_dim, causal, lag):
     assert len(re.findall(r"F2FP\.BF16\.F32\.PACK_AB", sass)) >= 32
     assert not re.search(r"\b(LDL|STL)\b", sass), "the fold kernel spills"
     assert re.search(rf"DEPBAR\.LE SB0, {hex(2 * lag)}\b", sass), "no wait lag items back"
+    # One global proxy fence per staged load (warp 3); none on the dQ warp, whose
+    # observed completions already imply it (Note [dQ fold]).
+    assert sass.count("FENCE.VIEW.ASYNC.G") == pieces
 
 
 @needs_cutlass

@@ -93,15 +93,18 @@ itself and no postprocess runs:
   tiles that fold) chunk 4 j + g of a piece is rows r_base + 16 g + lane // 4 (+ 8)
   and columns 8 j + 2 (lane % 4) (+ 1).
 
-Ordering: the landed adds (async proxy) are fenced (``fence.proxy.async.global``)
-before the post, the count's release carries them to the converting CTA, whose
+Ordering: the adds' completion, observed by the dQ warp's bulk async-group wait,
+comes with an implicit generic-async proxy fence (PTX ISA, "async proxy"); the post
+(mbarrier arrive) and the count's release carry it to the converting CTA, whose
 acquire, job mbarrier and proxy fence order the staging load after them.
 
 On the H200 it measured 0.89-0.93x the postprocess backward at every length
 (twenty-second session; docs/performance.md), with the count first on the dQ warp
-(v1) and then off it (v2, as above), at lag 1 and 3. The loss is in the main
-kernel's walk (it is as large at 16k, where the postprocess is 1% of the time), not
-yet explained: off in the table.
+(v1) and then off it (v2), at lag 1 and 3, with a ``fence.proxy.async.global`` on
+the dQ warp before each post. The loss is in the main kernel's walk (it is as large
+at 16k, where the postprocess is 1% of the time); that fence, which the completion
+already implies, is the first suspect and is gone since (v3, not yet run on a GPU).
+Off in the table.
 """
 
 from __future__ import annotations

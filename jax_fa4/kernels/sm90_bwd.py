@@ -1105,13 +1105,14 @@ class FlashBwdSm90(Sm90BwdCommon):
     def dq_fold_post(self, conv, head_q, m_block, n):
         """dQ warp, one lane: the n-th landed item (head_q, m_block) into slot n %
         FOLD_RING of the ring the counting warp reads (once that slot is free);
-        ``m_block`` < 0: the end of the walk. The fence orders the landed bulk adds
-        (async proxy) before the counting warp's release."""
+        ``m_block`` < 0: the end of the walk. No proxy fence: the completion of a
+        bulk copy observed through its async-group carries an implicit generic-async
+        proxy fence (PTX ISA, "async proxy"), and the mbarrier arrive releases it to
+        the counting warp."""
         _, mbar, s_job = conv
         slot = n % FOLD_RING
         if n >= FOLD_RING:
             cute.arch.mbarrier_wait(mbar + 3 + FOLD_RING + slot, (n // FOLD_RING - 1) % 2)
-        cute.arch.fence_proxy("async.global")
         s_job[2 + 2 * slot] = head_q
         s_job[3 + 2 * slot] = m_block
         cute.arch.mbarrier_arrive(mbar + 3 + slot)
