@@ -99,6 +99,10 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dq_double=knob == "dq2")
         elif knob in ("add1", "add2"):  # add-only: one or two dQ SMEM buffers
             tiles = dataclasses.replace(tiles, dq_double_add=knob == "add2")
+        elif knob in ("skipwg", "noskipwg"):  # fully masked warpgroup halves skipped
+            tiles = dataclasses.replace(tiles, skip_masked_wg=knob == "skipwg")
+        elif knob in ("red", "nored"):  # dQ reduce-added from registers, or via SMEM
+            tiles = dataclasses.replace(tiles, dq_red=knob == "red")
         elif knob not in ("default", "first"):  # first: a kernel class (kernel_call)
             raise ValueError(f"unknown variant knob {knob!r}")
     return tiles
@@ -408,7 +412,11 @@ def main():
                          "hdiv / nohdiv (LPT coordinates from host divisors or run-time "
                          "divisions), shfl / noshfl (each lane loads an eighth of its "
                          "columns' LSElog2 / Dpsum, the rest by shuffles; shfl turns "
-                         "stats_by_thread off), combined with +, e.g. m80+pwg")
+                         "stats_by_thread off), red / nored (dQ reduce-added from the "
+                         "MMA threads' registers or through SMEM and the dQ warp), "
+                         "skipwg / noskipwg (a warpgroup whose keys are all masked for a "
+                         "query block skips its GEMMs there, or not), "
+                         "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")
     ap.add_argument("--gqa-only", action="store_true", help="skip the Hq == Hkv cases")

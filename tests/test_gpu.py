@@ -47,8 +47,20 @@ def _fwd(q, k, v, causal):
 
 
 def _ref(q, k, v, causal, dtype):
-    return reference.attention_dense(q, k, v, scale=q.shape[-1] ** -0.5, causal=causal,
-                                     compute_dtype=dtype)
+    """(out, lse) of the dense reference. Above 2^30 scores (20000 x 20000 x 5
+    heads: 8 GiB of f32 at once, which ran out of memory beside 6 other test
+    workers on the H200) it runs one kv head and its query heads at a time."""
+    ref = functools.partial(reference.attention_dense, scale=q.shape[-1] ** -0.5,
+                            causal=causal, compute_dtype=dtype)
+    b, sq, hq, _ = q.shape
+    hkv = k.shape[2]
+    if b * hq * sq * k.shape[1] <= 1 << 30 or hkv == 1 and hq == 1:
+        return ref(q, k, v)
+    g = hq // hkv
+    parts = [ref(q[:, :, h * g:(h + 1) * g], k[:, :, h:h + 1], v[:, :, h:h + 1])
+             for h in range(hkv)]
+    return (jnp.concatenate([p[0] for p in parts], axis=2),
+            jnp.concatenate([p[1] for p in parts], axis=1))
 
 
 def _cotangents(seed, b, sq, hq, dv):
@@ -564,6 +576,37 @@ def _check_main_kernel_variant(d, causal, variant, shape, seed):
     ok, worst, detail = g.check_case(run, jnp.bfloat16, b, sq, sk, hq, hkv, d,
                                      jax.random.PRNGKey(seed))
     assert ok, detail
+
+
+@pytest.mark.parametrize("d,causal,shape", [
+    (128, True, (2, 1000, 1000, 4, 2)), (128, True, (2, 113, 203, 4, 1)),
+    (128, True, (1, 777, 150, 2, 2)), (128, False, (2, 300, 150, 4, 1)),
+    (128, True, (1, 1, 1, 1, 1)), (128, True, (1, 4097, 4097, 2, 2)),
+    (64, True, (2, 1000, 1000, 4, 2)), (64, False, (1, 500, 1050, 2, 1)),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_skip_masked_warpgroup(d, causal, shape):
+    """BwdTiles.skip_masked_wg (variant skipwg; Note [Masked warpgroup]; not yet run
+    when added): a warpgroup whose 64 keys are all masked for a query block (causal:
+    after its last query, at hdim 128 warpgroup 1 on each key block's first query
+    block; or past seqlen_k: last key blocks of 22 and 26 keys) skips its GEMMs and
+    stores zeros as its half of dS^T. The main kernel alone: dq, dk, dv by the 2x
+    rule; Sq above, below and equal to Sk, GQA, one row."""
+    _check_main_kernel_variant(d, causal, "skipwg", shape, seed=sq_seed(shape, d) + 7)
+
+
+@pytest.mark.parametrize("d,causal,variant,shape", [
+    (128, True, "red", (2, 1000, 1000, 4, 2)), (128, False, "red", (2, 203, 113, 4, 1)),
+    (128, True, "red", (1, 1, 1, 1, 1)), (64, False, "red", (2, 1000, 999, 4, 1)),
+    (64, True, "red", (2, 113, 203, 2, 2)), (128, False, "red+s3", (1, 4097, 4097, 2, 2)),
+    (64, True, "red+s3", (1, 1500, 1500, 4, 4)), (128, True, "red+s3", (3, 777, 1500, 6, 2)),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_dq_from_registers(d, causal, variant, shape):
+    """BwdTiles.dq_red (variant red; Note [dQ from registers]; not yet run when
+    added): the MMA threads reduce-add dQ into the flat accumulator with 128-bit
+    reductions, no SMEM dQ buffer; with s3 a third Q / dO stage in the freed SMEM.
+    The main kernel alone: dq, dk, dv by the 2x rule, the padding rows of dQaccum
+    untouched; GQA, Sq != Sk, one row, both masks."""
+    _check_main_kernel_variant(d, causal, variant, shape, seed=sq_seed(shape, d) + 5)
 
 
 @pytest.mark.parametrize("d,causal,shape", [

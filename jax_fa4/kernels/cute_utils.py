@@ -226,6 +226,15 @@ def pack_f32x2(lo, hi, dtype: type[cutlass.Numeric], *, loc=None, ip=None) -> In
 
 
 @dsl_user_op
+def red_add_f32x4(ptr: cute.Pointer, a, b, c, d, *, loc=None, ip=None) -> None:
+    """ptr[0:4] += (a, b, c, d): one 128-bit reduce-add into global memory (PTX
+    ``red.global.add.v4.f32``, sm_90 and later; SASS ``REDG.E.ADD.F32x4``), relaxed,
+    GPU scope, no result. ``ptr`` 16-byte aligned."""
+    _ptx("red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+         [ptr] + [cutlass.Float32(x) for x in (a, b, c, d)], "l,f,f,f,f", loc, ip)
+
+
+@dsl_user_op
 def st_global_b32(ptr: cute.Pointer, value, *, loc=None, ip=None) -> None:
     """One 32-bit global store of ``value`` (an Int32) at ``ptr`` (4-byte aligned)."""
     _ptx("st.global.b32 [$0], $1;", [ptr, Int32(value)], "l,r", loc, ip)

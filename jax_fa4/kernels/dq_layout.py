@@ -65,6 +65,19 @@ reduce-adds every partial (the semaphores, zeroed either way, go unused). The MM
 warpgroups are the same in both: two dQ buffers (``BwdTiles.dq_double``), which the
 add path then uses as ``dq_double_add`` does.
 
+Note [dQ from registers]
+~~~~~~~~~~~~~~~~~~~~~~~~
+With ``BwdTiles.dq_red`` the MMA threads skip the SMEM hand-off: once the dQ GEMM
+is done, each thread adds its registers straight into the query block's flat tile
+of dQaccum with 128-bit reductions (``red.global.add.v4.f32``, SASS
+``REDG.E.ADD.F32x4``): register quad q of thread t of warpgroup w goes to floats
+w P + 512 q + 4 t (Note [Flat dQ accumulator]), so a warp's reduction covers 512
+contiguous bytes. No SMEM dQ buffer (32 KiB freed), no dQ warp, no hand-off
+barriers; 8 reductions per thread per query block. Measured on the H200 (main
+kernel, 1 s phases x 3 rounds, twenty-third session): 0.92-0.96x the table's
+bulk-reduce hand-off at hdim 128 (1k / 16k causal, 1k non-causal) and hdim 64 8k
+causal; a third Q / dO stage in the freed SMEM did not change that. Off.
+
 Note [dQ fold]
 ~~~~~~~~~~~~~~
 The postprocess reads the whole fp32 dQaccum back from DRAM and writes dQ: about a

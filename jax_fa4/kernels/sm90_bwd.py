@@ -44,6 +44,19 @@ goes through shared memory (for dQ, which reduces over all keys of the block),
 and P never does. The price: each thread's columns are queries, so it reads
 LSElog2 and Dpsum per column from shared memory (staged by the load warp).
 
+Note [Masked warpgroup]: causal at hdim 128 (64-row query tiles, 128-key blocks),
+the first query block of a key block's walk lies on the diagonal, and warpgroup 1's
+64 keys all come after its last query (likewise a last key block of at most 64
+keys past seqlen_k): P^T = dS^T = 0 there. With ``BwdTiles.skip_masked_wg`` that
+item is peeled off the loop (``masked_first_item``): the masked warpgroup stores
+zeros as its half of dS^T, meets the other at the dS barrier, runs only its dQ
+GEMM and hand-off, and starts the loop at item 1. That saves 4 of the item's 10
+warpgroup GEMMs, about 1 / (2 x 9) of the work of the mean key block at 1k tokens.
+A branch inside the loop instead cost 2.6% at 16k tokens, where it is never taken;
+the peeled version starts the loop at a run-time item, which ptxas schedules
+differently: 1.018x at 1k causal, 0.999x at 4k, 0.989x at 16k (main kernel, 1 s
+phases x 3 rounds, twenty-third session). Off in the table.
+
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones
 past seqlen_q set to +inf / 0 by the preprocess kernel, so P = exp2(-inf) = 0
@@ -74,6 +87,7 @@ from jax_fa4.kernels.cute_utils import (
     init_bwd_kernel,
     pack_f32x2,
     pdl_start,
+    red_add_f32x4,
     semaphore_release_after_bulk,
     semaphore_wait,
     semaphore_wait_at_least,
@@ -257,6 +271,19 @@ class BwdTiles:
     # still reads item it. Off: 0.978-0.994x the one-buffer kernel on the H200
     # (hdim 128, 1k-16k; twenty-second session).
     dq_double_add: bool = False
+    # Not deterministic, not store first, not folded, one CTA per key block, flat dQ:
+    # the MMA threads add their dQ registers straight into dQaccum, four floats per
+    # 128-bit reduction (``red_add_f32x4``), in the flat order (Note [dQ from
+    # registers]); no SMEM dQ buffer, no dQ warp, no hand-off barriers. Off:
+    # 0.92-0.96x on the H200 (twenty-third session).
+    dq_red: bool = False
+    # Causal (or a last key block with at most 64 keys): a warpgroup whose 64 keys
+    # all come after the query block's last query, or past seqlen_k, skips its
+    # S^T, dP^T, dV and dK GEMMs for that block and stores zeros as its half of
+    # dS^T (Note [Masked warpgroup]). At hdim 128 (64-row query tiles, 128-key
+    # blocks) that is warpgroup 1 on each key block's first query block. Off:
+    # 1.018x at 1k causal, 0.989x at 16k on the H200 (twenty-third session).
+    skip_masked_wg: bool = False
     # Not deterministic, not store first, one CTA per key block, > 0: the backward
     # runs as FlashBwdSm90Fold (the lowering reads this; Note [dQ fold]): the last key
     # block to add into a query block converts it to dQ, and no postprocess runs. The
@@ -517,6 +544,21 @@ class FlashBwdSm90(Sm90BwdCommon):
             raise ValueError("dq_fold needs the non-deterministic add-only backward with "
                              "the flat dQ accumulator (BwdTiles.dq_flat, tile_m 64 or 128) "
                              "and a CTA per key block (BwdTiles.persistent off)")
+        if t.skip_masked_wg and (t.split_kv or t.persistent or not t.dq_flat or t.dq_red
+                                 or t.dq_double_add or dq_store_first or dq_fold
+                                 or t.stages_qdo < 2):
+            raise ValueError("skip_masked_wg needs the add-only flat dQ hand-off through one "
+                             "SMEM buffer (no dq_red, dq_double_add, store first or fold), "
+                             "K and V on one mbarrier, a CTA per key block and two or more "
+                             "Q / dO stages")
+        # Note [dQ from registers]: the MMA threads reduce-add dQ themselves.
+        self.dq_red = t.dq_red
+        if t.dq_red and (deterministic or dq_store_first or dq_fold or not t.dq_flat
+                         or t.persistent or t.dq_double_add):
+            raise ValueError("dq_red needs the non-deterministic add-only backward with the "
+                             "flat dQ accumulator (BwdTiles.dq_flat), one dQ buffer's hand-off "
+                             "replaced (dq_double_add off), no fold and a CTA per key block "
+                             "(BwdTiles.persistent off)")
         two = (t.dq_double and dq_store_first) or (t.dq_double_add and not dq_store_first)
         self.dq_bufs = 2 if two and not deterministic and t.dq_flat else 1
         self.num_sms = sm_count() if t.persistent else 0
@@ -547,6 +589,17 @@ class FlashBwdSm90(Sm90BwdCommon):
         # (d x tile_n) MN-major; with dq_swap dQ^T = K^T dS^T: A = K^T MN-major,
         # B = dS K-major, warpgroup w owning dQ columns [64w, 64w + 64).
         return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
+
+    def wg_all_masked(self, m_block, n_block, wg_idx, key_limit):
+        """Note [Masked warpgroup]: whether every key of MMA warpgroup ``wg_idx``'s
+        64 (rows 64 wg_idx.. of S^T in key block ``n_block``) is masked for every
+        query of ``m_block``: at or past seqlen_k (``key_limit`` keys of the block
+        are valid) or, causal, after the block's last query."""
+        first = 64 * wg_idx
+        masked = key_limit <= first
+        if const_expr(self.causal):
+            masked = masked | (n_block * self.tile_n + first >= (m_block + 1) * self.tile_m)
+        return masked
 
     def _dq_part(self) -> tuple[int, int]:
         """The (rows, cols) of dQ each MMA warpgroup computes."""
@@ -635,8 +688,9 @@ class FlashBwdSm90(Sm90BwdCommon):
             "sK": al[mr[self.dtype, cute.cosize(sK_layout)], 1024],
             "sV": al[mr[self.dtype, cute.cosize(sV_layout)], 1024],
             "sdS": al[mr[self.dtype, cute.cosize(sdS_layout)], 1024],
-            "sdQ": al[mr[Float32, cute.cosize(sdQ_layout) * self.dq_bufs], 1024],
         }
+        if const_expr(not self.dq_red):  # Note [dQ from registers]: no SMEM dQ
+            fields["sdQ"] = al[mr[Float32, cute.cosize(sdQ_layout) * self.dq_bufs], 1024]
         if const_expr(self.dq_fold):
             # Note [dQ fold]: the job / ring mbarriers and words, the staging tile.
             fields.update({
@@ -790,7 +844,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        if const_expr(self.tiles.dq_flat):
+        if const_expr(self.dq_red):
+            sdQ = None
+        elif const_expr(self.tiles.dq_flat):
             sdQ = storage.sdQ.get_tensor(cute.make_layout(cute.cosize(sdQ_layout)
                                                           * self.dq_bufs))
         else:
@@ -824,7 +880,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                 if const_expr(self.dq_fold):
                     self.store_dq_flat_fold(mdQaccum, sdQ, conv, head_kv, batch, group,
                                             m_block_min, num_m, num_iters)
-                else:
+                elif const_expr(not self.dq_red):
                     self.store_dq(mdQaccum, mdQsem, sdQ, tma_dQ, n_block, num_n_blocks,
                                   head_kv, batch, group, m_block_min, num_m, num_iters)
             if const_expr(self.dq_fold):
@@ -838,7 +894,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             self.mma(mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
                      mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
                      tidx - 128, n_block, head_kv, batch, seqlen_q, seqlen_k,
-                     m_block_min, num_m, num_iters)
+                     m_block_min, num_m, num_iters,
+                     dq_red=(mdQaccum, group) if const_expr(self.dq_red) else None)
 
     @cute.jit
     def persistent_roles(self, warp_idx, tidx, num_n_blocks, mQ, mK, mV, mdO, mLSElog2,
@@ -1303,11 +1360,13 @@ class FlashBwdSm90(Sm90BwdCommon):
     def mma(self, mdK, mdV, tma_dK, tma_dV, sQ, sK, sV, sdO, sdS, sdQ, sLSE, sDpsum,
             mma_sdp, mma_dk, mma_dv, mma_dq, pipe_qdo, pipe_kv,
             tidx, n_block, head_kv, batch, seqlen_q, seqlen_k,
-            m_block_min, num_m, num_iters, state=None, kv_state=None):
+            m_block_min, num_m, num_iters, state=None, kv_state=None, dq_red=None):
         """MMA warpgroups: all GEMMs and the pointwise math; dK/dV epilogue. The
         persistent walk passes its Q/dO consumer state (returned, advanced) and the
         tile's K/V consumer state: K and V are then waited for even with no work
-        items and released once the dK / dV stores have read them."""
+        items and released once the dK / dV stores have read them. ``dq_red``:
+        (mdQaccum, GQA group), into which the threads reduce-add dQ themselves
+        (Note [dQ from registers])."""
         tm, tn = self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -1386,7 +1445,12 @@ class FlashBwdSm90(Sm90BwdCommon):
         thr_copy_ds = copy_ds.get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(transpose_smem(sdS) if const_expr(self.dq_swap)
                                          else sdS)
-        if const_expr(self.tiles.dq_flat):
+        if const_expr(dq_red is not None):
+            # Note [dQ from registers]: this thread's floats of the flat block start
+            # at w P + 4 t; register quad q is 512 floats further per q.
+            dq_quads = cute.size(thr_dq.partition_shape_C(dq_mma_shape(tm, d))) // 4
+            dq_thread_off = wg_idx * dq_quads * 512 + 4 * (tidx % 128)
+        elif const_expr(self.tiles.dq_flat):
             # Warpgroup w's registers, 4 at a time, thread-interleaved, into floats
             # [w P, (w + 1) P) (Note [Flat dQ accumulator]).
             # With dq_double, buffer b holds the items it with it % 2 == b.
@@ -1433,7 +1497,16 @@ class FlashBwdSm90(Sm90BwdCommon):
         if const_expr(state is None):
             state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
-        for it in cutlass.range(num_iters, unroll=1):
+        it0 = 0
+        if const_expr(self.tiles.skip_masked_wg):
+            # Note [Masked warpgroup]: the walk's first item, peeled off the loop
+            # for the warpgroup whose keys it masks entirely.
+            it0 = self.masked_first_item(
+                state, pipe_qdo, copy_ds, thr_copy_ds, tdKrdS, tdSsdS, ds_bar, mma_dq,
+                thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off, dq_threads, wg_idx,
+                n_block, head_kv, m_block_min, num_m, num_iters, key_limit)
+            state = pipeline.PipelineState(self.tiles.stages_qdo, it0, it0, Int32(0))
+        for it in cutlass.range(it0, num_iters, unroll=1):
             _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
             buf = it % 2
@@ -1546,7 +1619,16 @@ class FlashBwdSm90(Sm90BwdCommon):
 
             # dV and dQ done; dK may still run.
             warpgroup.wait_group(1)
-            if const_expr(self.dq_bufs == 2):
+            if const_expr(dq_red is not None):
+                mdQaccum, group = dq_red
+                head_q, _ = self.work_item(it, head_kv, group, m_block_min, num_m)
+                dst = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d),
+                                      (m_block, 0)).iterator + dq_thread_off
+                regs = cute.make_tensor(acc_dQ.iterator, cute.make_layout(4 * dq_quads))
+                for q in cutlass.range_constexpr(dq_quads):
+                    red_add_f32x4(dst + 512 * q, regs[4 * q], regs[4 * q + 1],
+                                  regs[4 * q + 2], regs[4 * q + 3])
+            elif const_expr(self.dq_bufs == 2):
                 self.dq_handoff_double(r2s_dq, acc_dQ, tdQsdQ_bufs, buf, dq_bar_off,
                                        dq_threads)
             else:
@@ -1574,6 +1656,46 @@ class FlashBwdSm90(Sm90BwdCommon):
             ds_bar.arrive_and_wait()
             pipe_kv.consumer_release(kv_state)
         return state
+
+    @cute.jit
+    def masked_first_item(self, state, pipe_qdo, copy_ds, thr_copy_ds, tdKrdS, tdSsdS, ds_bar,
+                          mma_dq, thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off,
+                          dq_threads, wg_idx, n_block, head_kv, m_block_min, num_m, num_iters,
+                          key_limit):
+        """MMA warpgroup, ``BwdTiles.skip_masked_wg`` (Note [Masked warpgroup]): if
+        this warpgroup's keys are all masked for the walk's first query block, its
+        part of that item without the S^T, dP^T, dV and dK GEMMs: zeros as its half
+        of dS^T (buffer 0), the dQ GEMM and hand-off, the stage released. Returns
+        the loop's first item: 1 if so, else 0 (state then still at item 0)."""
+        skip = cutlass.Boolean(False)
+        if num_iters > 0:
+            _, m_block = self.work_item(0, head_kv, 0, m_block_min, num_m)
+            skip = self.wg_all_masked(m_block, n_block, wg_idx, key_limit)
+        if skip:
+            pipe_qdo.consumer_wait(state)
+            tdKrdS.fill(0.0)
+            cute.copy(copy_ds, thr_copy_ds.retile(tdKrdS), tdSsdS[None, None, None, 0])
+            cute.arch.fence_view_async_shared()
+            ds_bar.arrive_and_wait()
+            acc_dQ = cute.make_rmem_tensor(
+                thr_dq.partition_shape_C(dq_mma_shape(self.tile_m, self.head_dim)), Float32)
+            if const_expr(self.dq_swap):
+                wgmma_gemm(mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, 0], zero_init=True)
+            else:
+                wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrKt, zero_init=True)
+            warpgroup.wait_group(0)
+            cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                              number_of_threads=dq_threads)
+            cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                      tdQsdQ)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
+                                     number_of_threads=dq_threads)
+            if const_expr(self.tiles.elect_release):
+                consumer_release_elected(pipe_qdo, state)
+            else:
+                pipe_qdo.consumer_release(state)
+        return cutlass.select_(skip, Int32(1), Int32(0))
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv,

@@ -1,0 +1,99 @@
+"""Two sm90 backward knobs, on the CPU (both off in the tile table; measured on the
+H200 in the twenty-third session, docs/performance.md):
+
+- ``BwdTiles.dq_red`` (Note [dQ from registers], dq_layout.py): the MMA threads
+  reduce-add dQ into the flat accumulator with 128-bit reductions; no SMEM dQ
+  buffer, no bulk reduce.
+- ``BwdTiles.skip_masked_wg`` (Note [Masked warpgroup], sm90_bwd.py): the walk's
+  first item is peeled off the loop for a warpgroup whose keys it masks entirely,
+  which then runs only its dQ GEMM there.
+
+The checks: the refusals, and the SASS of each build (instruction counts that only
+the knob explains, no spills). The GPU tests run both (test_gpu.py:
+test_backward_dq_from_registers, test_backward_skip_masked_warpgroup).
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import re
+
+import jax.numpy as jnp
+import pytest
+from kernel_compile import bwd_structs, dump_options, dumped_sass, lower
+
+needs_cutlass = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
+)
+
+
+@needs_cutlass
+def test_table_has_both_off_and_refusals():
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    for d in (64, 128):
+        for causal in (False, True):
+            t = bwd_tiles(d, causal)
+            assert not t.dq_red and not t.skip_masked_wg, (d, causal)
+    t = bwd_tiles(128, True)
+    red = dataclasses.replace(t, dq_red=True)
+    for kw in ({"deterministic": True}, {"dq_store_first": True}, {"dq_fold": 1},
+               {"tiles": dataclasses.replace(red, dq_flat=False)},
+               {"tiles": dataclasses.replace(red, persistent=True)},
+               {"tiles": dataclasses.replace(red, dq_double_add=True)}):
+        kw = {"tiles": red, **kw}
+        with pytest.raises(ValueError, match="dq_red"):
+            FlashBwdSm90(cutlass.BFloat16, 128, 128, True, 0.1, **kw)
+    skip = dataclasses.replace(t, skip_masked_wg=True)
+    for over in ({"split_kv": True}, {"persistent": True}, {"dq_flat": False},
+                 {"dq_red": True}, {"dq_double_add": True}):
+        with pytest.raises(ValueError, match="skip_masked_wg"):
+            FlashBwdSm90(cutlass.BFloat16, 128, 128, True, 0.1,
+                         tiles=dataclasses.replace(skip, **over))
+    with pytest.raises(ValueError, match="skip_masked_wg"):
+        FlashBwdSm90(cutlass.BFloat16, 128, 128, True, 0.1, tiles=skip, dq_store_first=True)
+
+
+def _sass(tmp_path, head_dim: int, causal: bool, **over) -> str:
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    ins, outs, _ = bwd_structs(2, 113, 203, 4, 1, head_dim, jnp.bfloat16)
+    tiles = dataclasses.replace(bwd_tiles(head_dim, causal), **over)
+    make = functools.partial(FlashBwdSm90, cutlass.BFloat16, head_dim, head_dim, causal,
+                             head_dim**-0.5, tiles=tiles)
+    lower(make, "sm_90a", ins, outs, {6: 0}, compile_options=dump_options(tmp_path))
+    return dumped_sass(tmp_path)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
+def test_dq_from_registers_sass(tmp_path, head_dim, causal):
+    """8 REDG.E.ADD.F32x4 per thread and query block (32 dQ floats a thread, 4 per
+    reduction), no bulk reduce and no 128-bit SMEM store of dQ, no spills; the 32
+    wgmma instructions of the walk and epilogue are all there."""
+    sass = _sass(tmp_path, head_dim, causal, dq_red=True)
+    assert len(re.findall(r"\bREDG\.E\.ADD\.F32x4\b", sass)) == 8
+    assert not re.search(r"\bUBLKRED\b", sass)
+    assert not re.search(r"\bSTS\.128\b", sass)
+    assert len(re.findall(r"\bHGMMA\.", sass)) == 32
+    assert not re.search(r"\b(LDL|STL)\b", sass), "the dq_red kernel spills"
+
+
+@needs_cutlass
+def test_masked_warpgroup_sass(tmp_path):
+    """hdim 128 causal: the peeled first item adds one dQ GEMM (8 HGMMA k-steps of
+    16 over 128 keys) to the walk's 32 wgmma instructions and a second copy of the
+    dQ hand-off (8 more 128-bit SMEM stores, 16 in all); the two bulk reduces stay;
+    no spills. The table's kernel has neither."""
+    base = _sass(tmp_path / "base", 128, True)
+    sass = _sass(tmp_path / "skip", 128, True, skip_masked_wg=True)
+    hgmma = lambda s: len(re.findall(r"\bHGMMA\.", s))  # noqa: E731
+    sts = lambda s: len(re.findall(r"\bSTS\.128\b", s))  # noqa: E731
+    assert (hgmma(base), sts(base)) == (32, 8)
+    assert (hgmma(sass), sts(sass)) == (40, 16)
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 2
+    assert not re.search(r"\b(LDL|STL)\b", sass), "the skip_masked_wg kernel spills"
