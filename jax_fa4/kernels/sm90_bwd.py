@@ -55,7 +55,9 @@ warpgroup GEMMs, about 1 / (2 x 9) of the work of the mean key block at 1k token
 A branch inside the loop instead cost 2.6% at 16k tokens, where it is never taken;
 the peeled version starts the loop at a run-time item, which ptxas schedules
 differently: 1.018x at 1k causal, 0.999x at 4k, 0.989x at 16k (main kernel, 1 s
-phases x 3 rounds, twenty-third session). Off in the table.
+phases x 3 rounds, twenty-third session). Peeling the item for both warpgroups, so
+that the loop starts at the constant 1 (the item body then traced twice), measured
+worse: 1.005x at 1k, 0.975x at 16k. Off in the table.
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones
