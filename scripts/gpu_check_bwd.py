@@ -101,6 +101,8 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dq_double_add=knob == "add2")
         elif knob in ("skipwg", "noskipwg"):  # fully masked warpgroup halves skipped
             tiles = dataclasses.replace(tiles, skip_masked_wg=knob == "skipwg")
+        elif knob in ("carry", "nocarry"):  # MMA walk: query block carried, or divided
+            tiles = dataclasses.replace(tiles, carry_coords=knob == "carry")
         elif knob in ("red", "nored"):  # dQ reduce-added from registers, or via SMEM
             tiles = dataclasses.replace(tiles, dq_red=knob == "red")
         elif knob not in ("default", "first"):  # first: a kernel class (kernel_call)
@@ -415,7 +417,9 @@ def main():
                          "stats_by_thread off), red / nored (dQ reduce-added from the "
                          "MMA threads' registers or through SMEM and the dQ warp), "
                          "skipwg / noskipwg (a warpgroup whose keys are all masked for a "
-                         "query block skips its GEMMs there, or not), "
+                         "query block skips its GEMMs there, or not), carry / nocarry (the MMA "
+                         "walk carries its query block from item to item, or divides the "
+                         "item index), "
                          "combined with +, e.g. m80+pwg")
     ap.add_argument("--final", action="store_true",
                     help="trimmed plan: 4097 only for bf16 d128; later variants on few shapes")

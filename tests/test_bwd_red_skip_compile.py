@@ -97,3 +97,43 @@ def test_masked_warpgroup_sass(tmp_path):
     assert (hgmma(sass), sts(sass)) == (40, 16)
     assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 2
     assert not re.search(r"\b(LDL|STL)\b", sass), "the skip_masked_wg kernel spills"
+
+
+def _normalized(sass: str) -> list[str]:
+    """SASS lines with addresses, labels, registers and immediates replaced."""
+    out = []
+    for line in sass.splitlines():
+        line = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)
+        line = re.sub(r"\.L_x_\d+", "L", line)
+        line = re.sub(r"\bU?R\d+\b", "R", line)
+        line = re.sub(r"\bU?P\d\b", "P", line)
+        line = re.sub(r"0x[0-9a-f]+", "X", line).strip()
+        if line and not line.startswith((".", "//")):
+            out.append(line)
+    return out
+
+
+@needs_cutlass
+def test_carried_coordinates_sass(tmp_path):
+    """BwdTiles.carry_coords: from item 0 the table's kernel already carries the
+    walk's query block (LLVM strength-reduces it // num_m), so carrying it by hand
+    leaves the SASS the same up to register names; with skip_masked_wg (a walk
+    from a run-time item) it removes a run-time division, which shows as fewer
+    MUFU.RCP than without it. Both refuse the rotated and the persistent walk."""
+    import cutlass
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+    base = _sass(tmp_path / "base", 128, True)
+    carry = _sass(tmp_path / "carry", 128, True, carry_coords=True)
+    assert _normalized(carry) == _normalized(base)
+    skip = _sass(tmp_path / "skip", 128, True, skip_masked_wg=True)
+    both = _sass(tmp_path / "both", 128, True, skip_masked_wg=True, carry_coords=True)
+    rcp = lambda s: len(re.findall(r"\bMUFU\.RCP\b", s))  # noqa: E731
+    assert rcp(both) < rcp(skip), (rcp(both), rcp(skip))
+    assert not re.search(r"\b(LDL|STL)\b", both)
+    t = bwd_tiles(128, False)
+    for over in ({"rotate_walk": True}, {"persistent": True}):
+        with pytest.raises(ValueError, match="carry_coords"):
+            FlashBwdSm90(cutlass.BFloat16, 128, 128, False, 0.1,
+                         tiles=dataclasses.replace(t, carry_coords=True, **over))

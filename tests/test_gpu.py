@@ -595,6 +595,22 @@ def test_backward_skip_masked_warpgroup(d, causal, shape):
 
 
 @pytest.mark.parametrize("d,causal,variant,shape", [
+    (128, True, "carry", (2, 1000, 1000, 4, 2)), (128, False, "carry", (2, 203, 113, 4, 1)),
+    (64, True, "carry", (2, 1500, 1500, 6, 2)), (128, True, "skipwg+carry", (1, 1, 1, 1, 1)),
+    (128, True, "skipwg+carry", (3, 777, 1500, 6, 2)),
+    (128, True, "skipwg+carry", (2, 1000, 1000, 4, 2)),
+    (128, False, "skipwg+carry", (2, 300, 150, 4, 1)),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_backward_carried_coords(d, causal, variant, shape):
+    """BwdTiles.carry_coords (variant carry; not yet run when added): the MMA walk
+    carries its query block from item to item, wrapping at the end of each query
+    head of the GQA group (groups of 1, 2 and 3 heads here), alone and with the
+    masked warpgroup's first item peeled (skipwg, whose walk then starts at item 1,
+    or at 0 where nothing is masked). The main kernel alone, by the 2x rule."""
+    _check_main_kernel_variant(d, causal, variant, shape, seed=sq_seed(shape, d) + 9)
+
+
+@pytest.mark.parametrize("d,causal,variant,shape", [
     (128, True, "red", (2, 1000, 1000, 4, 2)), (128, False, "red", (2, 203, 113, 4, 1)),
     (128, True, "red", (1, 1, 1, 1, 1)), (64, False, "red", (2, 1000, 999, 4, 1)),
     (64, True, "red", (2, 113, 203, 2, 2)), (128, False, "red+s3", (1, 4097, 4097, 2, 2)),

@@ -286,6 +286,10 @@ class BwdTiles:
     # blocks) that is warpgroup 1 on each key block's first query block. Off:
     # 1.018x at 1k causal, 0.989x at 16k on the H200 (twenty-third session).
     skip_masked_wg: bool = False
+    # The MMA warpgroups' walk carries its query block from item to item (m_rel,
+    # wrapped at num_m) instead of dividing the item index by num_m per item
+    # (``work_item``). Not with rotate_walk or the persistent walk. Not yet run.
+    carry_coords: bool = False
     # Not deterministic, not store first, one CTA per key block, > 0: the backward
     # runs as FlashBwdSm90Fold (the lowering reads this; Note [dQ fold]): the last key
     # block to add into a query block converts it to dQ, and no postprocess runs. The
@@ -546,6 +550,9 @@ class FlashBwdSm90(Sm90BwdCommon):
             raise ValueError("dq_fold needs the non-deterministic add-only backward with "
                              "the flat dQ accumulator (BwdTiles.dq_flat, tile_m 64 or 128) "
                              "and a CTA per key block (BwdTiles.persistent off)")
+        if t.carry_coords and (t.rotate_walk or t.persistent):
+            raise ValueError("carry_coords needs the plain walk (rotate_walk and persistent "
+                             "off)")
         if t.skip_masked_wg and (t.split_kv or t.persistent or not t.dq_flat or t.dq_red
                                  or t.dq_double_add or dq_store_first or dq_fold
                                  or t.stages_qdo < 2):
@@ -1508,8 +1515,16 @@ class FlashBwdSm90(Sm90BwdCommon):
                 thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off, dq_threads, wg_idx,
                 n_block, head_kv, m_block_min, num_m, num_iters, key_limit)
             state = pipeline.PipelineState(self.tiles.stages_qdo, it0, it0, Int32(0))
+        # BwdTiles.carry_coords: item it's query block is m_block_min + m_rel, m_rel
+        # carried from item to item (no division by num_m in the walk).
+        m_rel = Int32(0)
+        if const_expr(self.tiles.carry_coords and self.tiles.skip_masked_wg):
+            m_rel = cutlass.select_(it0 == num_m, Int32(0), it0)
         for it in cutlass.range(it0, num_iters, unroll=1):
-            _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
+            if const_expr(self.tiles.carry_coords):
+                m_block = m_block_min + m_rel
+            else:
+                _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
             buf = it % 2
 
@@ -1651,6 +1666,9 @@ class FlashBwdSm90(Sm90BwdCommon):
             else:
                 pipe_qdo.consumer_release(state)
             state.advance()
+            if const_expr(self.tiles.carry_coords):
+                m_rel = m_rel + 1
+                m_rel = cutlass.select_(m_rel == num_m, Int32(0), m_rel)
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv, ds_bar,
                       tidx, n_block, head_kv, batch)
         if const_expr(kv_state is not None):
