@@ -1347,6 +1347,22 @@ class FlashBwdSm90(Sm90BwdCommon):
         return bar_off, src
 
     @cute.jit
+    def dq_handoff_single(self, r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads):
+        """The MMA side of the dQ hand-off through one SMEM buffer: wait until the
+        dQ warp's reduce has read it, write this thread's registers (flat order with
+        dq_flat), make them visible to the bulk engine, signal the dQ warp."""
+        cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                          number_of_threads=dq_threads)
+        if const_expr(self.tiles.dq_flat):
+            cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                      tdQsdQ)
+        else:
+            cute.autovec_copy(acc_dQ, tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
+                                 number_of_threads=dq_threads)
+
+    @cute.jit
     def dq_handoff_double(self, r2s_dq, acc_dQ, tdQsdQ_bufs, buf, dq_bar_off, dq_threads):
         """The MMA side of the dQ hand-off with two buffers: this item's buffer."""
         acc = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ_bufs[0].shape))
@@ -1649,16 +1665,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                 self.dq_handoff_double(r2s_dq, acc_dQ, tdQsdQ_bufs, buf, dq_bar_off,
                                        dq_threads)
             else:
-                cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
-                                  number_of_threads=dq_threads)
-                if const_expr(self.tiles.dq_flat):
-                    cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator,
-                                                       cute.make_layout(tdQsdQ.shape)), tdQsdQ)
-                else:
-                    cute.autovec_copy(acc_dQ, tdQsdQ)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
-                                         number_of_threads=dq_threads)
+                self.dq_handoff_single(r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads)
 
             warpgroup.wait_group(0)
             if const_expr(self.tiles.elect_release):
@@ -1704,13 +1711,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             else:
                 wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrKt, zero_init=True)
             warpgroup.wait_group(0)
-            cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
-                              number_of_threads=dq_threads)
-            cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                      tdQsdQ)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
-                                     number_of_threads=dq_threads)
+            self.dq_handoff_single(r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads)
             if const_expr(self.tiles.elect_release):
                 consumer_release_elected(pipe_qdo, state)
             else:
