@@ -1470,6 +1470,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         thr_copy_ds = copy_ds.get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(transpose_smem(sdS) if const_expr(self.dq_swap)
                                          else sdS)
+        r2s_dq = None  # the flat order's register -> SMEM copy (dq_flat, not dq_red)
         if const_expr(dq_red is not None):
             # Note [dQ from registers]: this thread's floats of the flat block start
             # at w P + 4 t; register quad q is 512 floats further per q.
