@@ -43,6 +43,7 @@ from jax_fa4.kernels.sm90_bwd import (  # noqa: E402
     FlashBwdSm90,
     FlashBwdSm90StoreFirst,
     bwd_tiles,
+    without_masked_wg_conflicts,
 )
 
 log = logging.getLogger("gpu_check_bwd")
@@ -107,6 +108,11 @@ def make_tiles(d, causal, variant):
             tiles = dataclasses.replace(tiles, dq_red=knob == "red")
         elif knob not in ("default", "first"):  # first: a kernel class (kernel_call)
             raise ValueError(f"unknown variant knob {knob!r}")
+    knobs = variant.split("+")
+    if not {"skipwg", "carry"} & set(knobs):
+        # The table's skip_masked_wg / carry_coords (hdim 128 causal) give way to the
+        # knobs that rule them out; named explicitly they are refused instead.
+        tiles = without_masked_wg_conflicts(tiles, dq_store_first="first" in knobs)
     return tiles
 
 

@@ -585,12 +585,12 @@ def _check_main_kernel_variant(d, causal, variant, shape, seed):
     (64, True, (2, 1000, 1000, 4, 2)), (64, False, (1, 500, 1050, 2, 1)),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_skip_masked_warpgroup(d, causal, shape):
-    """BwdTiles.skip_masked_wg (variant skipwg; Note [Masked warpgroup]; not yet run
-    when added): a warpgroup whose 64 keys are all masked for a query block (causal:
-    after its last query, at hdim 128 warpgroup 1 on each key block's first query
-    block; or past seqlen_k: last key blocks of 22 and 26 keys) skips its GEMMs and
-    stores zeros as its half of dS^T. The main kernel alone: dq, dk, dv by the 2x
-    rule; Sq above, below and equal to Sk, GQA, one row."""
+    """BwdTiles.skip_masked_wg (variant skipwg; Note [Masked warpgroup]; the table's
+    at hdim 128 causal, with carry_coords): a warpgroup whose 64 keys are all masked
+    for a query block (causal: after its last query, at hdim 128 warpgroup 1 on each
+    key block's first query block; or past seqlen_k: last key blocks of 22 and 26
+    keys) skips its GEMMs and stores zeros as its half of dS^T. The main kernel
+    alone: dq, dk, dv by the 2x rule; Sq above, below and equal to Sk, GQA, one row."""
     _check_main_kernel_variant(d, causal, "skipwg", shape, seed=sq_seed(shape, d) + 7)
 
 
@@ -602,11 +602,12 @@ def test_backward_skip_masked_warpgroup(d, causal, shape):
     (128, False, "skipwg+carry", (2, 300, 150, 4, 1)),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_carried_coords(d, causal, variant, shape):
-    """BwdTiles.carry_coords (variant carry; not yet run when added): the MMA walk
+    """BwdTiles.carry_coords (variant carry; the table's at hdim 128 causal): the MMA walk
     carries its query block from item to item, wrapping at the end of each query
-    head of the GQA group (groups of 1, 2 and 3 heads here), alone and with the
-    masked warpgroup's first item peeled (skipwg, whose walk then starts at item 1,
-    or at 0 where nothing is masked). The main kernel alone, by the 2x rule."""
+    head of the GQA group (groups of 1, 2 and 3 heads here), alone (hdim 128
+    non-causal, hdim 64) and with the masked warpgroup's first item peeled (hdim 128
+    causal, where the table has both: the walk then starts at item 1, or at 0 where
+    nothing is masked). The main kernel alone, by the 2x rule."""
     _check_main_kernel_variant(d, causal, variant, shape, seed=sq_seed(shape, d) + 9)
 
 
@@ -617,10 +618,10 @@ def test_backward_carried_coords(d, causal, variant, shape):
     (64, True, "red+s3", (1, 1500, 1500, 4, 4)), (128, True, "red+s3", (3, 777, 1500, 6, 2)),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_dq_from_registers(d, causal, variant, shape):
-    """BwdTiles.dq_red (variant red; Note [dQ from registers]; not yet run when
-    added): the MMA threads reduce-add dQ into the flat accumulator with 128-bit
-    reductions, no SMEM dQ buffer; with s3 a third Q / dO stage in the freed SMEM.
-    The main kernel alone: dq, dk, dv by the 2x rule, the padding rows of dQaccum
+    """BwdTiles.dq_red (variant red; Note [dQ from registers]; off in the table):
+    the MMA threads reduce-add dQ into the flat accumulator with 128-bit reductions,
+    no SMEM dQ buffer; with s3 a third Q / dO stage in the freed SMEM. The main
+    kernel alone: dq, dk, dv by the 2x rule, the padding rows of dQaccum
     untouched; GQA, Sq != Sk, one row, both masks."""
     _check_main_kernel_variant(d, causal, variant, shape, seed=sq_seed(shape, d) + 5)
 

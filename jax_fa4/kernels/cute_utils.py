@@ -240,6 +240,24 @@ def st_global_b32(ptr: cute.Pointer, value, *, loc=None, ip=None) -> None:
     _ptx("st.global.b32 [$0], $1;", [ptr, Int32(value)], "l,r", loc, ip)
 
 
+@dsl_user_op
+def global_timer_halves(*, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """One read of the GPU's nanosecond clock (PTX ``%globaltimer``) as its (low,
+    high) 32-bit halves. Marked as having side effects, so that reads at different
+    points of a kernel stay where they are written."""
+    t = llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
+                        has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT)
+    t = cutlass.Int64(t)
+    return Int32(t), Int32(t >> 32)
+
+
+@dsl_user_op
+def sm_id(*, loc=None, ip=None) -> Int32:
+    """The SM this CTA runs on (PTX ``%smid``)."""
+    return Int32(_ptx("mov.u32 $0, %smid;", [], "=r", loc, ip, result=T.i32()))
+
+
 class DqSemaphoreCall:
     """The call of a deterministic backward main kernel (put before the kernel class
     in the bases): the backward operands with mdQsem, (B, Hq, ceil(Sq / tile_m))
@@ -266,7 +284,6 @@ class DqSemaphoreCall:
         if const_expr(mdQsem.element_type != Int32):
             raise TypeError("the dQ semaphores must be int32")
         self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
-
 
 
 def pdl_start(use_pdl: bool) -> None:

@@ -115,9 +115,15 @@ On the H200 it measured 0.89-0.93x the postprocess backward at every length
 (twenty-second session; docs/performance.md), with the count first on the dQ warp
 (v1) and then off it (v2), at lag 1 and 3, with a ``fence.proxy.async.global`` on
 the dQ warp before each post. The loss is in the main kernel's walk (it is as large
-at 16k, where the postprocess is 1% of the time); that fence, which the completion
-already implies, is the first suspect and is gone since (v3, not yet run on a GPU).
-Off in the table.
+at 16k, where the postprocess is 1% of the time). Without that fence (v3, which the
+completion already implies) it measured the same, 0.89-0.93x (twenty-third session).
+Nsight Compute (twenty-fourth session) found the MMA warpgroups' dQ hand-off waiting
+twice as long as in the table's kernel at 1k: the dQ warp freed the single buffer
+for the next item only after the landing wait and the post. v4 frees it right after
+the bulk engine's read (not yet run on a GPU). The same profile found more: at 16k
+causal the SMs idle 13% of the time (one SM has 12% more active cycles than the
+mean), and at 1k every CTA is active 32% longer. Neither is explained yet. Off in
+the table.
 """
 
 from __future__ import annotations

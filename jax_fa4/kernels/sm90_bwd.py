@@ -57,7 +57,22 @@ the peeled version starts the loop at a run-time item, which ptxas schedules
 differently: 1.018x at 1k causal, 0.999x at 4k, 0.989x at 16k (main kernel, 1 s
 phases x 3 rounds, twenty-third session). Peeling the item for both warpgroups, so
 that the loop starts at the constant 1 (the item body then traced twice), measured
-worse: 1.005x at 1k, 0.975x at 16k. Off in the table.
+worse: 1.005x at 1k, 0.975x at 16k. Part of that loss was a division by num_m in
+the walk that ptxas strength-reduces only from item 0; with ``BwdTiles.carry_coords``
+(the query block carried from item to item) the peeled version measured 1.026x at
+1k, 1.011x at 4k and 1.000x at 16k (twenty-fourth session), and both are the table's
+at hdim 128 causal.
+
+Note [CTA timeline]: a kernel built with ``trace=True`` (a diagnostic, never in the
+lowering) takes one more operand after its outputs, mTrace: (CTAs of the grid,
+TRACE_COLS) int32, one row per CTA in launch order (blockIdx linearised, x fastest).
+Columns: 0 the SM id; 1 unused; 2-5 the CTA's key block, kv head, batch and number
+of walk items; 6-7 its start time (``%globaltimer`` ns, low and high halves), read
+by thread 0 before anything else; then from TRACE_WARP_END, per warp w, the time its
+lane 0 finished its role (low, high at TRACE_WARP_END + 2 w). Not with the persistent
+backward, whose CTAs run many tiles. ``scripts/cta_timeline.py`` reads it: per-SM
+busy time, the gaps between a SM's CTAs, the tail, and each CTA's length against
+its number of items.
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones
@@ -70,7 +85,7 @@ never stored (the epilogue's TMA store clips them).
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -86,6 +101,7 @@ from jax_fa4.kernels.cute_utils import (
     bulk_store,
     consumer_release_elected,
     convert_to_operand_a,
+    global_timer_halves,
     init_bwd_kernel,
     pack_f32x2,
     pdl_start,
@@ -94,6 +110,7 @@ from jax_fa4.kernels.cute_utils import (
     semaphore_wait,
     semaphore_wait_at_least,
     sm90_smem_layout,
+    sm_id,
     st_global_b32,
     stmatrix_acc,
     tma_store_tile,
@@ -283,12 +300,16 @@ class BwdTiles:
     # all come after the query block's last query, or past seqlen_k, skips its
     # S^T, dP^T, dV and dK GEMMs for that block and stores zeros as its half of
     # dS^T (Note [Masked warpgroup]). At hdim 128 (64-row query tiles, 128-key
-    # blocks) that is warpgroup 1 on each key block's first query block. Off:
-    # 1.018x at 1k causal, 0.989x at 16k on the H200 (twenty-third session).
+    # blocks) that is warpgroup 1 on each key block's first query block. Alone:
+    # 1.018x at 1k causal, 0.989x at 16k on the H200 (twenty-third session); with
+    # carry_coords the table's at hdim 128 causal (``bwd_tiles``).
     skip_masked_wg: bool = False
     # The MMA warpgroups' walk carries its query block from item to item (m_rel,
     # wrapped at num_m) instead of dividing the item index by num_m per item
-    # (``work_item``). Not with rotate_walk or the persistent walk. Not yet run.
+    # (``work_item``). Not with rotate_walk or the persistent walk. From item 0 the
+    # same SASS as without (LLVM strength-reduces the division there); after the
+    # peeled item of skip_masked_wg it removes a run-time division (H200: 1.000x
+    # alone, with the skip 1.026x / 1.011x / 1.000x at 1k / 4k / 16k causal).
     carry_coords: bool = False
     # Not deterministic, not store first, one CTA per key block, > 0: the backward
     # runs as FlashBwdSm90Fold (the lowering reads this; Note [dQ fold]): the last key
@@ -346,12 +367,42 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     (tile_m, dq_per_wg, dv_before_ds, dq_flat, lse_early, dpsum_early, dv_done_before_dk,
      lpt, dpsum_top, elect_release, stats_by_thread,
      stats_shuffle) = _TILE_TABLE[(head_dim, bool(causal))]
+    # Only hdim 128 causal has a warpgroup masked entirely on a query block (64-row
+    # query tiles, 64 keys per warpgroup): skip_masked_wg with carry_coords, 1.026x /
+    # 1.011x / 1.000x the kernel without them at 1k / 4k / 16k (H200, 3 alternating
+    # rounds, twenty-fourth session); skip_masked_wg alone lost 1.1% at 16k.
+    masked_wg = head_dim == 128 and bool(causal)
     return BwdTiles(tile_m=tile_m, tile_n=128, stages_qdo=2, regs_producer=24, regs_mma=240,
                     dq_per_wg=dq_per_wg, dv_before_ds=dv_before_ds, dq_flat=dq_flat,
                     lse_early=lse_early, dpsum_early=dpsum_early,
                     dv_done_before_dk=dv_done_before_dk, lpt=lpt, dpsum_top=dpsum_top,
                     elect_release=elect_release, stats_by_thread=stats_by_thread,
-                    stats_shuffle=stats_shuffle, dq_double=True)
+                    stats_shuffle=stats_shuffle, dq_double=True,
+                    skip_masked_wg=masked_wg, carry_coords=masked_wg)
+
+
+def masked_wg_buildable(t: BwdTiles, dq_store_first: bool = False,
+                        dq_fold: int = 0) -> tuple[bool, bool]:
+    """Whether skip_masked_wg and carry_coords go with the rest of ``t`` (and the
+    store-first / fold kernels): the skip needs the add-only flat dQ hand-off through
+    one SMEM buffer, K and V on one mbarrier, a CTA per key block and two or more
+    Q / dO stages; carrying the walk's coordinates needs the plain walk."""
+    skip = not (t.split_kv or t.persistent or not t.dq_flat or t.dq_red or t.dq_double_add
+                or dq_store_first or dq_fold or t.stages_qdo < 2)
+    return skip, not (t.rotate_walk or t.persistent)
+
+
+def without_masked_wg_conflicts(t: BwdTiles, dq_store_first: bool = False,
+                                dq_fold: int = 0) -> BwdTiles:
+    """``t`` with skip_masked_wg / carry_coords turned off where
+    ``masked_wg_buildable`` rules them out: for builds derived from the table's
+    tiles, which has both on at hdim 128 causal. Tiles given explicitly to the
+    kernel are refused instead."""
+    skip_ok, carry_ok = masked_wg_buildable(t, dq_store_first, dq_fold)
+    skip, carry = t.skip_masked_wg and skip_ok, t.carry_coords and carry_ok
+    if (skip, carry) == (t.skip_masked_wg, t.carry_coords):
+        return t
+    return replace(t, skip_masked_wg=skip, carry_coords=carry)
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
@@ -457,6 +508,11 @@ def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int | None:
     return t.tile_m if t.dq_flat else None
 
 
+# Note [CTA timeline]: the row width and the first per-warp end column.
+TRACE_WARP_END = 8
+TRACE_COLS = TRACE_WARP_END + 2 * 12
+
+
 class FlashBwdSm90(Sm90BwdCommon):
     """Backward main kernel for sm_90a; see the module docstring and docs/design.md.
 
@@ -483,16 +539,25 @@ class FlashBwdSm90(Sm90BwdCommon):
         dq_store_first: bool = False,
         dq_first_max_seqlen_q: int | None = None,
         dq_fold: int = 0,
+        trace: bool = False,
     ):
         init_bwd_kernel(self, "sm90 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
+        # Note [CTA timeline]: the call takes mTrace after its outputs.
+        self.trace = trace
         self.deterministic = deterministic
         # Each query block's first dQ partial is stored, not added, so dQaccum need
         # not be zeroed (Note [dQ store first]); takes the dQ semaphores.
         self.dq_store_first = dq_store_first
         # Launched with programmatic dependent launch (``pdl_start``).
         self.use_pdl = use_pdl
-        self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
+        if tiles is None:
+            # The table's masked-warpgroup skip serves the add-only hand-off; the
+            # store-first and fold switches ($JAX_FA4_DQ_STORE_FIRST, _DQ_FOLD) build
+            # the table's kernel without it.
+            tiles = without_masked_wg_conflicts(bwd_tiles(head_dim, causal),
+                                                dq_store_first, dq_fold)
+        self.tiles = tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         self.split_kv = t.split_kv
@@ -519,6 +584,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         self.lpt = t.lpt and causal and not deterministic
         self.persistent = t.persistent
         self.lpt_host_div = self.lpt and t.lpt_host_div and not t.persistent
+        if t.persistent and trace:
+            raise ValueError("the CTA timeline (trace) records one CTA per tile: not with "
+                             "the persistent backward")
         if t.persistent and (deterministic or not t.dq_flat or t.split_kv):
             raise ValueError("the persistent backward needs dq_flat, one K/V mbarrier "
                              "(split_kv off) and the non-deterministic mode")
@@ -550,12 +618,11 @@ class FlashBwdSm90(Sm90BwdCommon):
             raise ValueError("dq_fold needs the non-deterministic add-only backward with "
                              "the flat dQ accumulator (BwdTiles.dq_flat, tile_m 64 or 128) "
                              "and a CTA per key block (BwdTiles.persistent off)")
-        if t.carry_coords and (t.rotate_walk or t.persistent):
+        skip_ok, carry_ok = masked_wg_buildable(t, dq_store_first, dq_fold)
+        if t.carry_coords and not carry_ok:
             raise ValueError("carry_coords needs the plain walk (rotate_walk and persistent "
                              "off)")
-        if t.skip_masked_wg and (t.split_kv or t.persistent or not t.dq_flat or t.dq_red
-                                 or t.dq_double_add or dq_store_first or dq_fold
-                                 or t.stages_qdo < 2):
+        if t.skip_masked_wg and not skip_ok:
             raise ValueError("skip_masked_wg needs the add-only flat dQ hand-off through one "
                              "SMEM buffer (no dq_red, dq_double_add, store first or fold), "
                              "K and V on one mbarrier, a CTA per key block and two or more "
@@ -634,21 +701,30 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        mTrace: cute.Tensor | None = None,  # Note [CTA timeline], with trace only
     ):
         if const_expr(self.deterministic or self.dq_store_first):
             raise TypeError("the deterministic and the store-first backward take the dQ "
                             "semaphores: call FlashBwdSm90Deterministic / "
                             "FlashBwdSm90StoreFirst")
-        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None)
+        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None,
+                    mTrace=mTrace)
 
     @cute.jit
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mdQsem: cute.Tensor | None, mdQ: cute.Tensor | None = None):
+               mdQsem: cute.Tensor | None, mdQ: cute.Tensor | None = None,
+               mTrace: cute.Tensor | None = None):
         """The host side of ``__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)) int32,
         zero at launch, with the deterministic, the store-first or the folding
-        backward, else None; mdQ: (B, Sq, Hq, D), the folding backward's dQ."""
+        backward, else None; mdQ: (B, Sq, Hq, D), the folding backward's dQ; mTrace:
+        Note [CTA timeline], exactly when the kernel was built with ``trace``."""
+        if const_expr(self.trace != (mTrace is not None)):
+            raise TypeError("a kernel built with trace takes mTrace (Note [CTA timeline]), "
+                            "and only such a kernel")
+        if const_expr(mTrace is not None and mTrace.element_type != Int32):
+            raise TypeError("mTrace must be int32")
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         st = self.tiles.stages_qdo
@@ -721,8 +797,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             lpt_divs = self.lpt_host_divisors(num_n_blocks, mQ, mK)
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, gmem_dK, gmem_dV,
-            mdQsem, mdQ, lpt_divs, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ, tma_dK,
-            tma_dV,
+            mdQsem, mdQ, lpt_divs, mTrace, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
+            tma_dQ, tma_dK, tma_dV,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
             mma_sdp, mma_dk, mma_dv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
         ).launch(
@@ -785,6 +861,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic, store first, fold)
         mdQ: cute.Tensor | None,  # (B, Sq, Hq, D) out (fold)
         lpt_divs: tuple | None,  # lpt_host_divisors (BwdTiles.lpt_host_div only)
+        mTrace: cute.Tensor | None,  # (CTAs, TRACE_COLS) int32, Note [CTA timeline]
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -812,6 +889,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
+        trace_row = None
+        if const_expr(self.trace):
+            trace_row = self.trace_start(mTrace, tidx)
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
         if const_expr(self.lpt_host_div):
             n_block, head_kv, batch = lpt_key_block_fast(
@@ -877,6 +957,10 @@ class FlashBwdSm90(Sm90BwdCommon):
         group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
         if const_expr(self.rotate_walk):
             self.walk_rot = (n_block * num_iters // num_n_blocks, num_iters)
+        if const_expr(self.trace):
+            if tidx == 0:
+                for c, v in enumerate((n_block, head_kv, batch, num_iters)):
+                    mTrace[trace_row, 2 + c] = Int32(v)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
@@ -905,6 +989,25 @@ class FlashBwdSm90(Sm90BwdCommon):
                      tidx - 128, n_block, head_kv, batch, seqlen_q, seqlen_k,
                      m_block_min, num_m, num_iters,
                      dq_red=(mdQaccum, group) if const_expr(self.dq_red) else None)
+        if const_expr(self.trace):
+            if cute.arch.lane_idx() == 0:
+                lo, hi = global_timer_halves()
+                mTrace[trace_row, TRACE_WARP_END + 2 * warp_idx] = lo
+                mTrace[trace_row, TRACE_WARP_END + 2 * warp_idx + 1] = hi
+
+    @cute.jit
+    def trace_start(self, mTrace, tidx):
+        """Note [CTA timeline]: this CTA's row (its launch index), and from thread 0
+        the SM id and the start time. Before anything else in the kernel."""
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        row = bx + gx * (by + gy * bz)
+        if tidx == 0:
+            lo, hi = global_timer_halves()
+            mTrace[row, 0] = sm_id()
+            mTrace[row, 6] = lo
+            mTrace[row, 7] = hi
+        return row
 
     @cute.jit
     def persistent_roles(self, warp_idx, tidx, num_n_blocks, mQ, mK, mV, mdO, mLSElog2,
@@ -1145,14 +1248,28 @@ class FlashBwdSm90(Sm90BwdCommon):
         lane = cute.arch.lane_idx()
         lag = self.dq_fold
         two = const_expr(self.dq_bufs == 2)
-        self.dq_bufs_open(two, num_iters, n_parts, nthr)
+        # One buffer: it is freed for item it + 1 as soon as the bulk engine has read
+        # item it (below), not at the top of item it + 1 as ``dq_buf_turn`` frees it:
+        # the landing wait and the post in between would hold the MMA warpgroups'
+        # hand-off (Nsight Compute, 1k causal, twenty-fourth session: their dQ store
+        # waited on that barrier twice as long as in the table's kernel).
+        if const_expr(two):
+            self.dq_bufs_open(two, num_iters, n_parts, nthr)
+        elif num_iters > 0:
+            self.dq_parts_free(n_parts, nthr)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
-            bar_off, src = self.dq_buf_turn(two, it, num_iters, n_parts, nthr, sdQ)
+            bar_off, src = Int32(0), sdQ.iterator
+            if const_expr(two):
+                bar_off, src = self.dq_buf_turn(two, it, num_iters, n_parts, nthr, sdQ)
             self.dq_parts_out(False, gdQ, src, bar_off, n_parts, part, nthr, lane)
             if lane == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not two):
+                if it + 1 < num_iters:
+                    self.dq_parts_free(n_parts, nthr)
+            if lane == 0:
                 if it >= lag:
                     # Items it - lag + 1 .. it (lag * n_parts groups) may still be in
                     # flight; item it - lag has landed once at most that many are.
@@ -1313,6 +1430,13 @@ class FlashBwdSm90(Sm90BwdCommon):
                 cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
+    def dq_parts_free(self, n_parts: int, nthr: int):
+        """dQ warp, one buffer: each part may be written again (its bulk copy has
+        read it)."""
+        for w in cutlass.range_constexpr(n_parts):
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w, number_of_threads=nthr)
+
+    @cute.jit
     def dq_bufs_open(self, two: cutlass.Constexpr[bool], num_iters, n_parts: int, nthr: int):
         """dQ warp, before the walk, with two buffers: buffer 0 is free for item 0."""
         if const_expr(two):
@@ -1341,9 +1465,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             bar_off = self.dq_buf_bar * (it % 2)
             src = sdQ.iterator + (it % 2) * (self.tile_m * self.head_dim)
         else:
-            for w in cutlass.range_constexpr(n_parts):
-                cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
-                                         number_of_threads=nthr)
+            self.dq_parts_free(n_parts, nthr)
         return bar_off, src
 
     @cute.jit
@@ -1791,13 +1913,14 @@ class FlashBwdSm90Fold(FlashBwdSm90):
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
         mdQ: cute.Tensor,  # (B, Sq, Hq, D), out
+        mTrace: cute.Tensor | None = None,  # Note [CTA timeline], with trace only
     ):
         if const_expr(mdQsem.element_type != Int32):
             raise TypeError("the dQ semaphores must be int32")
         if const_expr(mdQ.element_type != self.dtype):
             raise TypeError("dQ must have the kernel's dtype")
         self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,
-                    mdQ)
+                    mdQ, mTrace=mTrace)
 
 
 class FlashBwdSm90StoreFirst(DqSemaphoreCall, FlashBwdSm90):
