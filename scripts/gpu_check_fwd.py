@@ -147,6 +147,8 @@ def tile_variant(spec: str) -> dict:
             over["tile_n"] = int(knob[1:])
         elif knob.startswith("sw") and knob[2:].isdigit():
             over["sw_exp2_per_32"] = int(knob[2:])
+        elif knob.startswith("rs") and knob[2:].isdigit():
+            over["row_sum_chains"] = int(knob[2:])
         elif knob.startswith("st"):
             over["num_stages"] = int(knob[2:])
         elif knob in KNOBS:
@@ -274,7 +276,7 @@ def main() -> int:
         "or the pipeline's lane test), rsa / norsa (O rescaled in every step / behind the lazy "
         "rescale's branch), pin / nopin (P V wait kept below the exp2s or not), ssc / nossc "
         "(the softmax's short max chain or the reduction's), sw<K> (K of every 32 exp2s of P in "
-        "software), split / nosplit (non-causal: the grid's last round split along the keys), "
+        "software), rs<K> (P's row sum in K chains), split / nosplit (non-causal: the grid's last round split along the keys), "
         "pinp / nopinp (P's conversions kept in the step or folded into the loop header), "
         "bits / nobits (causal: diagonal blocks masked by a keep bitmask per row), "
         "qfm / noqfm (the row max's quad shuffles with fmax or NaN-propagating), "

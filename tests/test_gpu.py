@@ -395,6 +395,10 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     # The thread's columns max-reduced with fmax in four chains (row_fmax).
     "row_fmax": (False, {"row_fmax": True}),
     "row_fmax_causal": (True, {"row_fmax": True}),
+    # P's row sum in 8 / 2 chains (Note [Row sum in chains]).
+    "row_sum_chains": (False, {"row_sum_chains": 8}),
+    "row_sum_chains_causal": (True, {"row_sum_chains": 8}),
+    "row_sum_chains2_causal": (True, {"row_sum_chains": 2}),
     # Q as the register operand of S = Q K^T (hdim 128).
     "q_in_regs": (False, {"q_in_regs": True}),
     "q_in_regs_causal": (True, {"q_in_regs": True}),
@@ -426,6 +430,10 @@ _KNOBS = {  # name: (causal, Sm90FwdTiles overrides)
     ("nan_quad_max_causal", (2, 2000, 1999, 6, 2), 64),
     ("row_fmax", (2, 1000, 999, 8, 2), 128), ("row_fmax_causal", (2, 2000, 1999, 6, 2), 64),
     ("row_fmax_causal", (1, 300, 200, 2, 1), 256),
+    ("row_sum_chains", (2, 2000, 1999, 6, 2), 64), ("row_sum_chains", (2, 1000, 999, 8, 2), 128),
+    ("row_sum_chains_causal", (2, 2000, 1999, 6, 2), 64),
+    ("row_sum_chains_causal", (1, 300, 200, 2, 1), 256),
+    ("row_sum_chains2_causal", (2, 203, 1113, 4, 4), 64),
     ("q_in_regs", (1, 1, 1, 1, 1), 128), ("q_in_regs", (2, 1000, 999, 8, 2), 128),
     ("q_in_regs", (2, 2000, 2000, 8, 2), 128), ("q_in_regs_causal", (2, 113, 203, 4, 4), 128),
     ("q_in_regs_causal", (3, 3000, 3000, 8, 2), 128),
@@ -458,6 +466,8 @@ def test_forward_tile_order_knobs(knob, shape, d):
     max's quad shuffles NaN-propagating (the table uses fmax, quad_fmax). row_fmax
     (not yet run when added): the thread's columns max-reduced with fmax in four
     chains, the old max folded in before the shuffles; hdim 64 / 128 / 256.
+    row_sum_chains (not yet run when added): P's row sum in 8 (or 2) chains, hdim
+    64 / 128 / 256, Sk below, at and above Sq.
     q_in_regs (hdim 128, not yet run when added): Q loaded into registers once per
     tile (ldmatrix) as the A operand of S = Q K^T, the Q buffer released at once;
     one tile, fewer and more tiles than SMs, both masks. multicast (not yet run

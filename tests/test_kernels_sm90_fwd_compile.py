@@ -648,6 +648,47 @@ def test_fwd_row_fmax_knob(tmp_path, d, causal):
     assert got[True][1] <= got[False][1] and got[True][2] == got[False][2], got
 
 
+def _exp2_order(step: list[str]) -> tuple[int, int]:
+    """(FFMAs from a step's first FFMA to the first MUFU after it, MUFUs before the
+    step's P V wait) of one step's instructions (from its S-ready wait on)."""
+    f0 = next(i for i, x in enumerate(step) if x.startswith("FFMA"))
+    m = next(i for i in range(f0, len(step)) if step[i].startswith("MUFU"))
+    pv = next(i for i, x in enumerate(step) if i > 0 and x.startswith("WARPGROUP.DEPBAR"))
+    return (sum(x.startswith("FFMA") for x in step[f0:m]),
+            sum(x.startswith("MUFU") for x in step[:pv]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_row_sum_chains_knob(tmp_path, causal):
+    """Sm90FwdTiles.row_sum_chains (off, not yet timed; Note [Row sum in chains]),
+    hdim 64: with P's row sum in one chain (the table's) the last step issues all
+    32 exponent FFMAs of a row before its first exp2; in 8 chains the first exp2
+    follows at most 8 of them and the P V wait still follows some exp2s; the step
+    is no longer, as many HGMMAs, no spill. Bad chain counts are refused."""
+    import re
+
+    from jax_fa4.kernels.softmax import OnlineSoftmax
+
+    assert not any(fwd_tiles(d, d, c).row_sum_chains for d in (64, 128, 256)
+                   for c in (False, True))
+    got = {}
+    for k in (0, 8):
+        _, sass = _knob_sass(tmp_path, f"rsc_{causal}_{k}", 64, causal, row_sum_chains=k)
+        ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+        start = max(i for i, x in enumerate(ins) if "DEPBAR.LE gsb0, 0x1" in x)
+        end = next(i for i in range(start + 100, len(ins)) if ins[i].startswith("HGMMA"))
+        step = ins[start:end + 1]
+        got[k] = (*_exp2_order(step), len(step), sass.count("HGMMA"))
+    assert got[0][0] == 32 and got[8][0] <= 8, got
+    assert got[8][1] >= 1, got
+    assert got[8][2] <= got[0][2] and got[8][3] == got[0][3], got
+    for bad in (3, 16, -1):
+        with pytest.raises(ValueError, match="row_sum_chains"):
+            OnlineSoftmax(1.0, 2, row_sum_chains=bad)
+    with pytest.raises(ValueError, match="do not combine"):
+        OnlineSoftmax(1.0, 2, row_sum_chains=2, sw_exp2_per_32=4)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_q_in_regs_knob(tmp_path, causal):
     """Sm90FwdTiles.q_in_regs (the table's at hdim 128 non-causal since the

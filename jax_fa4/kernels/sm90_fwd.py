@@ -253,6 +253,12 @@ class Sm90FwdTiles:
     # hdim 64 8k causal 1.008; over q_in_regs 0.987 at 16k and 0.996 at 1k
     # non-causal).
     row_fmax: bool = False
+    # P's row sum in this many serial chains (1, 2, 4 or 8) instead of one
+    # (``OnlineSoftmax(row_sum_chains=k)``, Note [Row sum in chains] in
+    # softmax.py): at hdim 64 ptxas then issues a row's first exp2 after 6 of its
+    # exponent FFMAs, not after all 32. Off: not yet timed (twenty-fifth session,
+    # CPU only; SASS in tests/test_kernels_sm90_fwd_compile.py).
+    row_sum_chains: int = 0
     # Q as the register (A) operand of S = Q K^T: each consumer thread loads its
     # part of the tile's Q from SMEM once (ldmatrix) after the Q wait, and every
     # S wgmma reads K alone from SMEM (a fifth less operand traffic from SMEM per
@@ -1286,7 +1292,8 @@ class FlashFwdSm90:
                                 short_chain=self.tiles.short_softmax_chain,
                                 sw_exp2_per_32=self.tiles.sw_exp2_per_32,
                                 quad_fmax=self.tiles.quad_fmax,
-                                row_fmax=self.tiles.row_fmax)
+                                row_fmax=self.tiles.row_fmax,
+                                row_sum_chains=self.tiles.row_sum_chains)
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0),
                         bitmask=self.tiles.mask_bitmask)

@@ -45,6 +45,23 @@ softmax starts it after its S wgmma. ``short_chain`` shortens it:
 It needs c > 0, which the kernels get (``rules.kernels_cuda`` runs a negative
 scale as -q with |scale|). Scores that are NaN no longer propagate into the max;
 they still make their own P NaN.
+
+Note [Row sum in chains]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The row sum of P (``TensorSSA.reduce``) compiles to one serial chain of 32 FADDs
+per row, and with it ptxas issues a row's 32 exponent FFMAs (s * c - m * c) back to
+back before the row's first exp2 of P (every step at hdim 64 and at hdim 128
+non-causal; hdim 128's masked causal step): the MUFU pipe waits for those issue
+slots. flash-attn-4's hdim 64 step issues its first exp2 after two of
+them (step_compare.py, twenty-fifth session). Emitting the FFMA and the exp2 per
+element does not change the SASS. With ``row_sum_chains`` = k the sum runs in k
+serial chains (element i into chain i mod k), and at hdim 64 (either mask) ptxas
+then issues the first exp2 after 6 of the FFMAs; it also moves the P V wait (Note
+[P V wait] in sm90_fwd.py) up: before every exp2 at k = 2 or 4, after 5 of them at
+k = 8, against 9-10 with the single chain. At hdim 128 the unmasked step keeps its
+order. With pin_pv_wait, hdim 64 goes back to 29 FFMAs first. The sum is the same
+up to fp32 rounding order. Whether the earlier exp2s pay on the H200 is not yet
+measured.
 """
 
 from __future__ import annotations
@@ -101,6 +118,7 @@ class OnlineSoftmax:
         sw_exp2_per_32: int = 0,
         quad_fmax: bool = False,
         row_fmax: bool = False,
+        row_sum_chains: int = 0,
     ):
         if short_chain and not scale_log2 > 0:
             raise ValueError(f"the short max chain needs a positive scale, got {scale_log2}")
@@ -119,6 +137,13 @@ class OnlineSoftmax:
         # instead of ``TensorSSA.reduce`` (FMNMX.NAN, one chain per row). Same NaN
         # behaviour as quad_fmax.
         self.row_fmax = row_fmax
+        # P's row sum in this many serial chains, 0: TensorSSA.reduce (Note [Row
+        # sum in chains]).
+        if row_sum_chains not in (0, 1, 2, 4, 8):
+            raise ValueError(f"row_sum_chains must be 0, 1, 2, 4 or 8, got {row_sum_chains}")
+        if row_sum_chains and sw_exp2_per_32:
+            raise ValueError("row_sum_chains and sw_exp2_per_32 do not combine")
+        self.row_sum_chains = row_sum_chains
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.rescale_threshold = rescale_threshold
@@ -185,11 +210,14 @@ class OnlineSoftmax:
             self.row_max[r] = ref
             ref_safe = Float32(0.0) if ref == -Float32.inf else ref
             neg_ref_scaled = -ref_safe * c
-            if cutlass.const_expr(self.sw_exp2_per_32 == 0):
-                p = cute.math.exp2(row * c + neg_ref_scaled, fastmath=True)
+            if cutlass.const_expr(self.row_sum_chains > 0):
+                p, blk_sum = self._exp2_chained(s_mn[r, None], neg_ref_scaled)
             else:
-                p = self._exp2_mixed(s_mn[r, None], neg_ref_scaled)
-            blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if cutlass.const_expr(self.sw_exp2_per_32 == 0):
+                    p = cute.math.exp2(row * c + neg_ref_scaled, fastmath=True)
+                else:
+                    p = self._exp2_mixed(s_mn[r, None], neg_ref_scaled)
+                blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = blk_sum
             else:
@@ -229,6 +257,28 @@ class OnlineSoftmax:
         return row.load()
 
     @cute.jit
+    def _exp2_chained(self, row: cute.Tensor, neg_ref_scaled: Float32):
+        """(P, its sum) of one row's registers: exp2(row * c + neg_ref_scaled) per
+        element, written back to ``row``, summed in ``row_sum_chains`` serial chains
+        (element i into chain i mod k; Note [Row sum in chains])."""
+        k = self.row_sum_chains
+        n = cute.size(row)
+        assert n % k == 0, (n, k)
+        c = self.scale_log2
+        chains = [None] * k
+        for i in cutlass.range_constexpr(n):
+            e = cute.math.exp2(row[i] * c + neg_ref_scaled, fastmath=True)
+            row[i] = e
+            if cutlass.const_expr(i < k):
+                chains[i] = e
+            else:
+                chains[i % k] = chains[i % k] + e
+        total = chains[0]
+        for j in cutlass.range_constexpr(1, k):
+            total = total + chains[j]
+        return row.load(), total
+
+    @cute.jit
     def _online_softmax_short(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
         """``online_softmax`` with the short max chain (Note [Short max chain])."""
         s_mn = acc_mn_view(acc_S)
@@ -256,14 +306,17 @@ class OnlineSoftmax:
                 # exp2((old - cand) c); 0 when old is -inf. Used only when it moves.
                 scale = cute.math.exp2(old * c + neg_cand, fastmath=True)
                 row_scale[r] = Float32(1.0) if keep else scale
-            if cutlass.const_expr(self.sw_exp2_per_32 == 0):
-                p = cute.math.exp2(row.load() * c + neg_ref, fastmath=True)
+            if cutlass.const_expr(self.row_sum_chains > 0):
+                p, blk_sum = self._exp2_chained(row, neg_ref)
             else:
-                p = self._exp2_mixed(row, neg_ref)
+                if cutlass.const_expr(self.sw_exp2_per_32 == 0):
+                    p = cute.math.exp2(row.load() * c + neg_ref, fastmath=True)
+                else:
+                    p = self._exp2_mixed(row, neg_ref)
+                blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             self.row_max[r] = ref
             self.neg_ref[r] = neg_ref
             self.keep_limit[r] = ref + self.rescale_threshold / c
-            blk_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = blk_sum
             else:
