@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from jax_fa4 import reference
 from jax_fa4.config import (
@@ -89,13 +90,17 @@ def _check_implementation(implementation, dtype, head_dim: int, head_dim_v: int)
             raise kind(f"jax_fa4: implementation='cute' but {err}")
 
 
-# The VJP: gradients of both outputs (out and lse) flow into fa4_bwd.
+# The VJP: gradients of both outputs (out and lse) flow into fa4_bwd. With symbolic
+# zeros, an LSE that nothing downstream uses (return_lse=False, the common case)
+# sends no cotangent: fa4_bwd then takes no dlse operand, so no zero-filled
+# (B, H, Sq) array is written for it and the preprocess reads none.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, config: AttentionConfig):
     return tuple(fa4_fwd_p.bind(q, k, v, config=config))
 
 
 def _attention_fwd(q, k, v, config):
+    q, k, v = (x.value for x in (q, k, v))  # CustomVJPPrimal (symbolic_zeros)
     out, lse = fa4_fwd_p.bind(q, k, v, config=config)
     return (out, lse), (q, k, v, out, lse)
 
@@ -103,13 +108,16 @@ def _attention_fwd(q, k, v, config):
 def _attention_bwd(config, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, dlse = cotangents
+    if isinstance(dout, SymbolicZero):  # only the LSE is used
+        dout = jnp.zeros(out.shape, out.dtype)
+    extra = () if isinstance(dlse, SymbolicZero) else (dlse.astype(jnp.float32),)
     dq, dk, dv = fa4_bwd_p.bind(
-        q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32), config=config
+        q, k, v, out, lse, dout.astype(out.dtype), *extra, config=config
     )
     return dq, dk, dv
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def attention(

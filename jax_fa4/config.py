@@ -85,6 +85,10 @@ class KernelKey:
     # fold] in kernels/dq_layout.py): its preprocess also zeroes the per-query-block
     # semaphores, and no postprocess runs. 0: off.
     dq_fold: int = 0
+    # The backward preprocess subtracts dLSE, the cotangent of the returned LSE,
+    # from Dpsum; False: that cotangent is a symbolic zero (nothing used the LSE), and
+    # the preprocess takes no dLSE operand. True for every other kernel.
+    dlse: bool = True
 
 
 # "0" launches the backward's kernels without programmatic dependent launch (a

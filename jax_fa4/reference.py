@@ -200,7 +200,7 @@ def attention_bwd_blockwise(
     out: jax.Array,
     lse: jax.Array,
     dout: jax.Array,
-    dlse: jax.Array,
+    dlse: jax.Array | None,
     *,
     scale: float,
     causal: bool = False,
@@ -211,7 +211,7 @@ def attention_bwd_blockwise(
     The same math the backward kernels do: with P = exp(S - lse),
     dP = dO V^T and Dpsum = rowsum(dO * O) - dLSE, dS = P * (dP - Dpsum);
     dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO. The LSE cotangent
-    enters through Dpsum (d lse_i / d S_ij = P_ij).
+    enters through Dpsum (d lse_i / d S_ij = P_ij); ``dlse`` None: it is zero.
 
     Returns ``(dq, dk, dv)`` in the dtypes of q, k, v.
     """
@@ -228,9 +228,9 @@ def attention_bwd_blockwise(
     g = hq // hkv
     # [B, Hkv, G, Sq]
     lse_g = lse.astype(jnp.float32).reshape(b, hkv, g, sq)
-    dpsum = jnp.einsum("bqhgd,bqhgd->bhgq", dog, og) - dlse.astype(jnp.float32).reshape(
-        b, hkv, g, sq
-    )
+    dpsum = jnp.einsum("bqhgd,bqhgd->bhgq", dog, og)
+    if dlse is not None:
+        dpsum = dpsum - dlse.astype(jnp.float32).reshape(b, hkv, g, sq)
     q_idx = jnp.arange(sq)
 
     def step(dq, xs):
@@ -250,7 +250,8 @@ def attention_bwd_blockwise(
         dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
         return dq, (dk_j, dv_j)
 
-    dq0 = _like_inputs(jnp.zeros((b, sq, hkv, g, d), jnp.float32), q, k, v, out, lse, dout, dlse)
+    dq0 = _like_inputs(jnp.zeros((b, sq, hkv, g, d), jnp.float32), q, k, v, out, lse, dout,
+                       *(() if dlse is None else (dlse,)))
     dq, (dkb, dvb) = jax.lax.scan(step, dq0, (jnp.arange(nblk), kb, vb))
     dk = dkb.transpose(1, 0, 2, 3, 4).reshape(b, nblk * bk, hkv, d)[:, :sk]
     dv = dvb.transpose(1, 0, 2, 3, 4).reshape(b, nblk * bk, hkv, dv_)[:, :sk]

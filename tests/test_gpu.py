@@ -139,6 +139,40 @@ def test_backward(case, causal, dtype):
 @pytest.mark.parametrize("shape,d,causal", [
     ((2, 1000, 1000, 8, 2), 128, True), ((1, 2000, 1999, 4, 4), 128, False),
     ((2, 777, 1500, 6, 2), 64, True), ((1, 1, 1, 1, 1), 64, False),
+    ((1, 1500, 1500, 4, 2), 256, True),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_without_lse_cotangent(shape, d, causal, deterministic):
+    """attention without return_lse: LSE's cotangent is a symbolic zero, so the
+    backward runs its three kernels alone (no zero-filled dLSE; the preprocess
+    without the dLSE term, FlashBwdPreprocessNoDlse). dq, dk, dv by the 2x rule
+    against the reference's with a zero LSE cotangent; outputs poisoned."""
+    b, sq, sk, hq, hkv = shape
+    if deterministic and d == 256:
+        pytest.skip("no deterministic hdim 256 backward")
+    q, k, v = rand_qkv(sq + 5 * d, b, sq, sk, hq, hkv, d)
+    dout, _ = _cotangents(sq + 2, b, sq, hq, d)
+
+    def grads(q, k, v, dout):
+        out, pullback = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=causal, implementation="cute", deterministic=deterministic),
+            q, k, v)
+        return pullback(dout.astype(out.dtype))
+
+    fn = jax.jit(grads)
+    hlo = fn.lower(q, k, v, dout).as_text()
+    assert hlo.count(CALL) == 4
+    zero_fill = [ln for ln in hlo.splitlines()
+                 if "broadcast_in_dim" in ln and f"tensor<{b}x{hq}x{sq}xf32>" in ln]
+    assert not zero_fill, zero_fill
+    with poison_outputs():
+        got = fn(q, k, v, dout)
+    _assert_grads_2x(got, q, k, v, dout, jnp.zeros((b, hq, sq), jnp.float32), causal)
+
+
+@pytest.mark.parametrize("shape,d,causal", [
+    ((2, 1000, 1000, 8, 2), 128, True), ((1, 2000, 1999, 4, 4), 128, False),
+    ((2, 777, 1500, 6, 2), 64, True), ((1, 1, 1, 1, 1), 64, False),
     ((1, 4096, 4096, 4, 4), 128, True), ((1, 3000, 3000, 4, 2), 64, False),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_deterministic(shape, d, causal):

@@ -108,6 +108,32 @@ def test_preprocess_by_thread_order_compiles(tmp_path):
 
 @needs_cutlass
 @pytest.mark.parametrize("arch", ARCHS)
+def test_preprocess_without_dlse_compiles(tmp_path, arch):
+    """FlashBwdPreprocessNoDlse (LSE's cotangent a symbolic zero) takes O, dO and LSE
+    only, and drops exactly the dLSE loads: its SASS has 4 global loads fewer than
+    the preprocess with dLSE (one per Dpsum row a thread writes), the same stores."""
+    from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocessNoDlse
+
+    batch, seqlen, heads, d = 2, 203, 3, 128
+    ws = bwd_workspace_shapes(batch, seqlen, heads, d)
+    o = jax.ShapeDtypeStruct((batch, seqlen, heads, d), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)
+    outs = tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
+    counts = {}
+    for name, kernel, ins in (("dlse", FlashBwdPreprocess, (o, o, lse, lse)),
+                              ("none", FlashBwdPreprocessNoDlse, (o, o, lse))):
+        dump = tmp_path / name
+        text = lower(lambda kernel=kernel: kernel(jnp.bfloat16, d, d), arch, ins, outs,
+                     compile_options=dump_options(dump))
+        assert "custom_call" in text
+        sass = dumped_sass(dump)
+        counts[name] = (len(re.findall(r"\bLDG\b", sass)), len(re.findall(r"\bSTG\b", sass)))
+    assert counts["none"][0] == counts["dlse"][0] - 4, counts
+    assert counts["none"][1] == counts["dlse"][1], counts
+
+
+@needs_cutlass
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_postprocess_compiles(arch, dtype, head_dim):

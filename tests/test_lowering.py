@@ -57,6 +57,33 @@ def test_forward_and_backward_lower_for_cuda(monkeypatch, arch, d, causal, dtype
     assert "stablehlo.transpose" not in bwd
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_backward_without_lse_cotangent_lowers_without_zero_fill(monkeypatch, arch):
+    """The pullback of attention without return_lse: LSE's cotangent is a symbolic
+    zero, so the lowered backward is the three kernels alone, with no zero-filled
+    (B, H, Sq) array; the preprocess takes O, dO and LSE (3 operands), against 4
+    (and dLSE) when the caller sends an LSE cotangent."""
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
+    structs = _structs(2, 113, 203, 8, 2, 128, jnp.bfloat16)
+
+    def pullback_text(return_lse):
+        def fwd(q, k, v):
+            return jax.vjp(lambda q, k, v: jax_fa4.attention(
+                q, k, v, causal=True, return_lse=return_lse, implementation="cute"), q, k, v)
+
+        out, pull = jax.eval_shape(fwd, *structs)
+        return jax.jit(lambda pull, ct: pull(ct)).trace(pull, out).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    calls = re.compile(CALL + r"\w*\(([^)]*)\)")
+    text = pullback_text(False)
+    operands = [len(c.split(",")) for c in calls.findall(text)]
+    assert len(operands) == 3 and operands[0] == 3, operands
+    assert "broadcast_in_dim" not in text and "stablehlo.constant" not in text
+    operands = [len(c.split(",")) for c in calls.findall(pullback_text(True))]
+    assert len(operands) == 3 and operands[0] == 4, operands
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_hdim256_lowers_for_sm90_only(monkeypatch, causal):
     """hdim 256 has sm_90a kernels (forward, and the wide backward) and none for sm_100a."""

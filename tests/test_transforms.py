@@ -62,6 +62,55 @@ def test_lse_only_gradient():
     assert float(jnp.abs(got[0]).max()) > 1e-3  # a non-trivial gradient
 
 
+def _bwd_operand_counts(fn, *args):
+    """Operand counts of every fa4_bwd in the jaxpr of fn(*args)."""
+    counts = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "fa4_bwd":
+                counts.append(len(eqn.invars))
+            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+                walk(sub)
+            for p in eqn.params.values():
+                if hasattr(p, "jaxpr") and hasattr(p.jaxpr, "eqns"):
+                    walk(p.jaxpr)
+                elif hasattr(p, "eqns"):
+                    walk(p)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_output_only_gradient_has_no_lse_cotangent(causal):
+    """Without return_lse the LSE's cotangent is a symbolic zero: fa4_bwd gets no
+    dlse operand (6, not 7: no zero-filled (B, H, Sq) array), and the gradients
+    still match the reference's, also under vmap. A loss that uses the LSE passes
+    its cotangent (7 operands)."""
+    q, k, v = rand_qkv(3, 2, 19, 23, 4, 2, 16, dtype=jnp.float32)
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32).reshape(q.shape))
+
+    def out_loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    fa4_out = lambda q, k, v: jax_fa4.attention(q, k, v, scale=SCALE, causal=causal)  # noqa: E731
+    ref_out = lambda q, k, v: ref(q, k, v, causal)[0]  # noqa: E731
+    grad = jax.grad(out_loss(fa4_out), argnums=(0, 1, 2))
+    assert _bwd_operand_counts(grad, q, k, v) == [6]
+    assert _bwd_operand_counts(jax.grad(loss(fa4, causal), argnums=(0, 1, 2)), q, k, v) == [7]
+    want = jax.grad(out_loss(ref_out), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(jax.jit(grad)(q, k, v), want):
+        assert max_err(g, r) < 1e-4
+    assert float(jnp.abs(want[0]).max()) > 1e-3  # a non-trivial gradient
+    qs = jnp.stack([q, q[:, ::-1]])
+    got = jax.vmap(grad, in_axes=(0, None, None))(qs, k, v)
+    for i in range(2):
+        want_i = jax.grad(out_loss(ref_out), argnums=(0, 1, 2))(qs[i], k, v)
+        for g, r in zip(got, want_i):
+            assert max_err(g[i], r) < 1e-4
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_check_grads(causal):
     q, k, v = rand_qkv(2, 1, 6, 7, 2, 1, 4, dtype=jnp.float32)

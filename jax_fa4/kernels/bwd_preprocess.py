@@ -6,6 +6,9 @@ Runs once before the main backward kernel. Per query row i of every
     Dpsum[i]   = sum_d dO[i, d] * O[i, d]  -  dLSE[i]      (fp32)
     LSElog2[i] = LSE[i] * log2(e)
 
+(``FlashBwdPreprocessNoDlse``: without the dLSE term, for a backward whose LSE
+cotangent is a symbolic zero; no zero-filled dLSE is made or read then)
+
 and zeroes the whole fp32 dQ accumulator, padding rows included, because the
 main kernel only ever adds into it. For a main kernel that stores each query
 block's first dQ partial (``zero_dq=False``, Note [dQ store first] in dq_layout.py)
@@ -275,6 +278,14 @@ class FlashBwdPreprocess:
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed (zero_dq)
         mdQsem: cute.Tensor | None = None,  # (B, Hq, ceil(Sq / sem_tile_m)) int32, out: 0
     ):
+        self.launch(stream, mO, mdO, mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum, mdQsem)
+
+    @cute.jit
+    def launch(self, stream: cuda.CUstream, mO: cute.Tensor, mdO: cute.Tensor,
+               mLSE: cute.Tensor, mdLSE: cute.Tensor | None, mDpsum: cute.Tensor,
+               mLSElog2: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor | None):
+        """The launch behind ``__call__``; mdLSE None: no LSE cotangent
+        (``FlashBwdPreprocessNoDlse``)."""
         if const_expr((mdQsem is None) != (self.sem_tile_m is None)):
             raise TypeError("mdQsem comes with sem_tile_m, and only then")
         if const_expr(mdQsem is not None and mdQsem.element_type != cutlass.Int32):
@@ -282,12 +293,13 @@ class FlashBwdPreprocess:
         if const_expr(mO.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("O and dO must have the kernel's dtype")
         for t in (mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum):
-            if const_expr(t.element_type != Float32):
+            if const_expr(t is not None and t.element_type != Float32):
                 raise TypeError("LSE, dLSE and the workspaces must be float32")
 
         sO = bshd_view(mO, self.head_dim_v)  # (Sq, Dv, Hq, B)
         sdO = bshd_view(mdO, self.head_dim_v)  # (Sq, Dv, Hq, B)
-        sLSE, sdLSE, sDpsum, sLSElog2 = [bhs_view(t) for t in (mLSE, mdLSE, mDpsum, mLSElog2)]
+        sLSE, sDpsum, sLSElog2 = [bhs_view(t) for t in (mLSE, mDpsum, mLSElog2)]
+        sdLSE = None if const_expr(mdLSE is None) else bhs_view(mdLSE)
         # (Sq_pad * D, Hq, B): each head's accumulator is one contiguous run.
         b, h, s_pad = mdQaccum.shape[0], mdQaccum.shape[1], mdQaccum.shape[2]
         head_elems = cute.assume(cutlass.Int64(s_pad) * self.head_dim, divby=self.head_dim)
@@ -333,7 +345,7 @@ class FlashBwdPreprocess:
         mO: cute.Tensor,  # (Sq, Dv, Hq, B)
         mdO: cute.Tensor,  # (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B)
-        mdLSE: cute.Tensor,  # (Sq, Hq, B)
+        mdLSE: cute.Tensor | None,  # (Sq, Hq, B); None: no LSE cotangent
         mDpsum: cute.Tensor,  # (Sq, Hq, B)
         mLSElog2: cute.Tensor,  # (Sq, Hq, B)
         mdQaccum: cute.Tensor,  # (Sq_pad * D, Hq, B)
@@ -417,15 +429,36 @@ class FlashBwdPreprocess:
             for m in cutlass.range_constexpr(num_m):
                 row = m_block * tile_m + tOcO[0, m, 0][0]
                 val = dpsum[m]
-                if t0OcO[0, m, 0][0] < row_limit:
-                    val = val - mdLSE[row, head, batch]
+                if const_expr(mdLSE is not None):
+                    if t0OcO[0, m, 0][0] < row_limit:
+                        val = val - mdLSE[row, head, batch]
                 mDpsum[stat_position(row, self.stat_block), head, batch] = val
+
+
+class FlashBwdPreprocessNoDlse(FlashBwdPreprocess):
+    """``FlashBwdPreprocess`` for a backward whose LSE cotangent is a symbolic zero
+    (nothing used the LSE): Dpsum = rowsum(dO * O), and the call takes no dLSE."""
+
+    @cute.jit
+    def __call__(
+        self,
+        stream: cuda.CUstream,
+        mO: cute.Tensor,  # (B, Sq, Hq, Dv) bf16/fp16
+        mdO: cute.Tensor,  # (B, Sq, Hq, Dv) same dtype
+        mLSE: cute.Tensor,  # (B, Hq, Sq) f32, natural log
+        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed (zero_dq)
+        mdQsem: cute.Tensor | None = None,  # (B, Hq, ceil(Sq / sem_tile_m)) int32, out: 0
+    ):
+        self.launch(stream, mO, mdO, mLSE, None, mDpsum, mLSElog2, mdQaccum, mdQsem)
 
 
 __all__ = [
     "SEQLEN_Q_PAD",
     "seqlen_q_padded",
     "FlashBwdPreprocess",
+    "FlashBwdPreprocessNoDlse",
     "bwd_workspace_shapes",
     "preprocess_tiling",
     "stat_order",

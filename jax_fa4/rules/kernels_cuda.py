@@ -40,11 +40,12 @@ def unavailable(arch: str) -> str | None:
 
 def _key(kind: str, arch: str, q, v, config: AttentionConfig,
          dq_store_first: tuple[bool, int] | None = None,
-         dq_fold: int | None = None) -> KernelKey:
+         dq_fold: int | None = None, dlse: bool = True) -> KernelKey:
     """The compile key of one kernel. dq_store_first: the main kernel's (store first,
     up to which query length) choice, dq_fold: whether it writes dQ, with which
     lag (0: no; Note [dQ fold]); its preprocess follows both (None: the main
-    kernels read the tile table, the others say no)."""
+    kernels read the tile table, the others say no). dlse: the preprocess takes
+    LSE's cotangent (False where it is a symbolic zero)."""
     if dq_store_first is None:
         dq_store_first = (_table_store_first(arch, q, config, kind)
                           if kind in ("bwd", "bwd_det") else (False, 0))
@@ -66,6 +67,7 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig,
         dq_store_first=dq_store_first[0],
         dq_first_max_sq=dq_store_first[1],
         dq_fold=dq_fold,
+        dlse=dlse,
     )
 
 
@@ -211,7 +213,7 @@ def _stats_block(arch: str, head_dim: int, causal: bool) -> int | None:
 
 
 def _pre_kernel(key: KernelKey):
-    from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess
+    from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess, FlashBwdPreprocessNoDlse
 
     block = None
     if key.kind == "bwd_pre_by_thread":
@@ -223,8 +225,9 @@ def _pre_kernel(key: KernelKey):
         # store first by length]); the main kernel's semaphores zeroed
         store_first = {"zero_dq": False, "sem_tile_m": _sem_tile_m(key),
                        "zero_dq_above": key.dq_first_max_sq}
-    return FlashBwdPreprocess(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim,
-                              stat_block=block, use_pdl=key.pdl, **store_first)
+    kernel = FlashBwdPreprocess if key.dlse else FlashBwdPreprocessNoDlse
+    return kernel(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim, stat_block=block,
+                  use_pdl=key.pdl, **store_first)
 
 
 def _sem_tile_m(key: KernelKey) -> int:
@@ -284,8 +287,9 @@ def _post_kernel(key: KernelKey):
                                use_pdl=key.pdl)
 
 
-def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: str):
-    """(dq, dk, dv) from the three backward kernels.
+def backward(q, k, v, out, lse, dout, *dlse, config: AttentionConfig, arch: str):
+    """(dq, dk, dv) from the three backward kernels. dlse: LSE's cotangent, or
+    nothing where it is a symbolic zero (the preprocess then reads none).
 
     config.deterministic: the main kernel adds each query block's dQ partials in a
     fixed key-block order through per-block semaphores
@@ -297,7 +301,7 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
             raise ValueError(err)
     if config.scale < 0:  # as forward: -q with |scale|; dL/dq is minus dL/d(-q)
         neg_q, config = _positive_scale(q, config)
-        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, dlse, config=config, arch=arch)
+        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, *dlse, config=config, arch=arch)
         return -dq, dk, dv
     from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
@@ -318,7 +322,7 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     pre_key = _key(pre_kind, arch, q, v,
                    AttentionConfig(scale=1.0, causal=pre_causal and config.causal),
                    dq_store_first=(main_key.dq_store_first, main_key.dq_first_max_sq),
-                   dq_fold=main_key.dq_fold)
+                   dq_fold=main_key.dq_fold, dlse=bool(dlse))
     pre_outs, pre_static = ws_structs, (_BHS, _BHS, _BSHD)
     pre_sem = main_key.dq_store_first or main_key.dq_fold
     needs_sem = deterministic or pre_sem
@@ -330,9 +334,9 @@ def backward(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig, arch: st
     pre = kernel_call(
         pre_key,
         functools.partial(_pre_kernel, pre_key),
-        (out, dout, lse, dlse),
+        (out, dout, lse, *dlse),
         pre_outs,
-        in_static=(_BSHD, _BSHD, _BHS, _BHS),
+        in_static=(_BSHD, _BSHD, _BHS) + (_BHS,) * len(dlse),
         out_static=pre_static,
     )
     dpsum, lse_log2, dq_accum = pre[:3]

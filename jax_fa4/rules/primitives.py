@@ -100,9 +100,12 @@ def _fwd_abstract(q, k, v, *, config: AttentionConfig):
 
 
 @fa4_bwd_p.def_abstract_eval
-def _bwd_abstract(q, k, v, out, lse, dout, dlse, *, config: AttentionConfig):
+def _bwd_abstract(q, k, v, out, lse, dout, *dlse, config: AttentionConfig):
+    # dlse: LSE's cotangent, or nothing where it is a symbolic zero (api.py).
     del config
-    operands = (q, k, v, out, lse, dout, dlse)
+    if len(dlse) > 1:
+        raise TypeError(f"fa4_bwd takes 6 or 7 operands, got {6 + len(dlse)}")
+    operands = (q, k, v, out, lse, dout, *dlse)
     return (
         _aval(q.shape, q.dtype, *operands),
         _aval(k.shape, k.dtype, *operands),
@@ -168,9 +171,10 @@ def _reference_fwd(q, k, v, *, config):
     return reference.attention_blockwise(q, k, v, scale=config.scale, causal=config.causal)
 
 
-def _reference_bwd(q, k, v, out, lse, dout, dlse, *, config):
+def _reference_bwd(q, k, v, out, lse, dout, *dlse, config):
     return reference.attention_bwd_blockwise(
-        q, k, v, out, lse, dout, dlse, scale=config.scale, causal=config.causal
+        q, k, v, out, lse, dout, dlse[0] if dlse else None, scale=config.scale,
+        causal=config.causal
     )
 
 
@@ -203,8 +207,9 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
 
 def _make_lowering(kind, reference_fn, kernel_fn, platform):
     def lower(ctx, args, fn, **static):
-        # The sharding rule wraps only the final computation (sharding.py).
-        call = sharding.partitioned(kind, fn, **static)
+        # The sharding rule wraps only the final computation (sharding.py); a
+        # backward without LSE's cotangent has one operand fewer.
+        call = sharding.partitioned(kind if len(args) != 6 else "bwd_no_dlse", fn, **static)
         return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
     def lowering(ctx, *args, config):

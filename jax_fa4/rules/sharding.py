@@ -21,10 +21,14 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Operands: q [B,S,H,D], k [B,T,K,D], v [B,T,K,E] (+ out, lse, dout, dlse for the backward).
+# Operands: q [B,S,H,D], k [B,T,K,D], v [B,T,K,E] (+ out, lse, dout, dlse for the backward;
+# dlse left out where LSE's cotangent is a symbolic zero).
 _FWD_RULE = "b s h d, b t k d, b t k e -> b s h e, b h s"
 _BWD_RULE = (
     "b s h d, b t k d, b t k e, b s h e, b h s, b s h e, b h s -> b s h d, b t k d, b t k e"
+)
+_BWD_NO_DLSE_RULE = (
+    "b s h d, b t k d, b t k e, b s h e, b h s, b s h e -> b s h d, b t k d, b t k e"
 )
 # In order of first appearance in the rules (the verifier wants them sorted).
 _REPLICATED_FACTORS = ("s", "d", "t", "e")
@@ -68,6 +72,11 @@ def _specs_bwd(batch, heads):
     return (bshd, bshd, bshd, bshd, bhs, bshd, bhs), (bshd, bshd, bshd)
 
 
+def _specs_bwd_no_dlse(batch, heads):
+    args, outs = _specs_bwd(batch, heads)
+    return args[:6], outs
+
+
 def _make(impl: Callable, specs_fn, rule: str, n_args: int):
     @functools.partial(custom_partitioning, static_argnums=(n_args,))
     def call(*args):
@@ -106,6 +115,8 @@ def _make(impl: Callable, specs_fn, rule: str, n_args: int):
 def _partitioned(kind: str, impl: Callable) -> Callable:
     if kind == "fwd":
         return _make(impl, _specs_fwd, _FWD_RULE, 3)
+    if kind == "bwd_no_dlse":
+        return _make(impl, _specs_bwd_no_dlse, _BWD_NO_DLSE_RULE, 6)
     return _make(impl, _specs_bwd, _BWD_RULE, 7)
 
 
