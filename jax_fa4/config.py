@@ -95,6 +95,12 @@ class KernelKey:
 # diagnostic switch: kernels compiled either way are cached under different keys).
 PDL_ENV = "JAX_FA4_PDL"
 
+# "1": the backward takes a zero-filled LSE cotangent even where it is a symbolic
+# zero (nothing used the LSE), as before the twenty-fifth session: an XLA zero fill
+# of (B, Hq, Sq) floats and the preprocess that reads it. A diagnostic switch for
+# A/B runs (bench peer ``dlsezeros``); read when the backward is traced.
+DLSE_ZEROS_ENV = "JAX_FA4_DLSE_ZEROS"
+
 
 def pdl_enabled(arch: str) -> bool:
     """Whether the backward's sm_90a kernels launch with programmatic dependent
