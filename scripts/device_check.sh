@@ -2,7 +2,7 @@
 # One call on the GPU machine (see ../shared/device/README.md): GPU tests, the
 # example, the benchmark and the compile-time measurement, with logs under $OUT
 # and a short summary last.
-#   bash scripts/device_check.sh [tests|tests-bwd|tests-fwd|bench|quick|compile|knobs|all]
+#   bash scripts/device_check.sh [tests|tests-bwd|tests-fwd|bench|quick|compile|knobs|next|all]
 #       [extra pytest args...]
 # tests-bwd / tests-fwd: the backward half of the GPU tests / the rest. The whole
 # suite took more than one 600 s call in the twenty-first session (210 passed when
@@ -10,6 +10,7 @@
 # knobs: the GPU tests of the forward's tile-order knobs (persistent, lpt), then
 # gpu_check_fwd checks and A/B timings of both at the benchmark's rows (hdim 128 at
 # 1k, 4k, 16k; hdim 64 and 256 at 8k).
+# next: the GPU work queued by the last session without device time (below).
 # compile: benchmarks/compile_time.py (fresh processes, cold and cached; about 3-4
 # minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
 # BWD_TIMING=diff times the backward as fwd+bwd minus fwd (default: direct, the
@@ -60,6 +61,24 @@ if [[ $what == knobs ]]; then
     | tee "$out/knob_fwd_d256.log" | tail -8
   summary+="knob tests: $(tail -1 "$out/knob_tests.log")"$'\n'
   summary+="knob checks: $(grep -h 'correctness:' "$out"/knob_fwd_1k.log)"$'\n'
+fi
+if [[ $what == next ]]; then
+  # What the twenty-fifth session (no device time) left to run, in one call (about
+  # 6-8 minutes): the GPU tests of its changes and of fold v4, then the A/B timings
+  # (1 s phases under the power cap) and the per-CTA timeline of the fold.
+  timeout "${TEST_TIMEOUT:-260}" python -m pytest -m gpu -q -ra -p no:cacheprovider \
+    "${workers[@]}" -k "without_lse_cotangent or row_sum_chains or dq_fold" 2>&1 \
+    | tee "$out/next_tests.log" | tail -8
+  summary+="next tests: $(tail -1 "$out/next_tests.log")"$'\n'
+  timeout 200 python scripts/clock_probe.py --dirs bwd --peers dlsezeros \
+    --cases 128:1024:1,128:1024:0,128:16384:1 --rounds 3 --seconds 1 \
+    --csv "$out/probe_dlse.csv" 2>&1 \
+    | tee "$out/probe_dlse.log" | tail -12
+  timeout 120 python scripts/clock_probe.py --dirs fwd --variants rs8,rs2 --no-fa4 \
+    --cases 64:8192:1,64:8192:0 --rounds 3 --seconds 1 --csv "$out/probe_rs.csv" 2>&1 \
+    | tee "$out/probe_rs.log" | tail -12
+  timeout 120 python scripts/cta_timeline.py --cases 128:1024:1,128:16384:1 \
+    --variants table,fold --out "$out" 2>&1 | tee "$out/timeline.log" | tail -40
 fi
 if [[ $what == all ]]; then
   python examples/train_tiny_transformer.py --steps 20 2>&1 | tee "$out/example.log" | tail -4
