@@ -83,17 +83,22 @@ def test_stat_order_gives_each_thread_conflict_free_chunks(block):
             FlashBwdPreprocess(jnp.bfloat16, 128, 128, stat_block=bad)
 
 
+def _pre_structs(d: int, batch: int = 2, seqlen: int = 203, heads: int = 3):
+    """(O / dO, LSE / dLSE, the preprocess's outputs) of a bf16 problem of head dim d."""
+    ws = bwd_workspace_shapes(batch, seqlen, heads, d)
+    o = jax.ShapeDtypeStruct((batch, seqlen, heads, d), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)
+    return o, lse, tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
+
+
 @needs_cutlass
 def test_preprocess_by_thread_order_compiles(tmp_path):
     """The preprocess with a by-thread statistics block (64, the hdim 128 main
     kernel's query tile) lowers for sm_90a with the same stores as in row order:
     8 128-bit zeroing stores of dQaccum and 5 scalar statistic stores per thread
     (LSElog2 and its 4 Dpsum rows), now at the positions of stat_position."""
-    batch, seqlen, heads, d = 2, 203, 3, 128
-    ws = bwd_workspace_shapes(batch, seqlen, heads, d)
-    o = jax.ShapeDtypeStruct((batch, seqlen, heads, d), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)
-    outs = tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
+    d = 128
+    o, lse, outs = _pre_structs(d)
     sass = {}
     for block in (None, 64):
         dump = tmp_path / str(block)
@@ -114,11 +119,8 @@ def test_preprocess_without_dlse_compiles(tmp_path, arch):
     the preprocess with dLSE (one per Dpsum row a thread writes), the same stores."""
     from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocessNoDlse
 
-    batch, seqlen, heads, d = 2, 203, 3, 128
-    ws = bwd_workspace_shapes(batch, seqlen, heads, d)
-    o = jax.ShapeDtypeStruct((batch, seqlen, heads, d), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, heads, seqlen), jnp.float32)
-    outs = tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
+    d = 128
+    o, lse, outs = _pre_structs(d)
     counts = {}
     for name, kernel, ins in (("dlse", FlashBwdPreprocess, (o, o, lse, lse)),
                               ("none", FlashBwdPreprocessNoDlse, (o, o, lse))):

@@ -440,17 +440,10 @@ class FlashBwdPreprocessNoDlse(FlashBwdPreprocess):
     (nothing used the LSE): Dpsum = rowsum(dO * O), and the call takes no dLSE."""
 
     @cute.jit
-    def __call__(
-        self,
-        stream: cuda.CUstream,
-        mO: cute.Tensor,  # (B, Sq, Hq, Dv) bf16/fp16
-        mdO: cute.Tensor,  # (B, Sq, Hq, Dv) same dtype
-        mLSE: cute.Tensor,  # (B, Hq, Sq) f32, natural log
-        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed (zero_dq)
-        mdQsem: cute.Tensor | None = None,  # (B, Hq, ceil(Sq / sem_tile_m)) int32, out: 0
-    ):
+    def __call__(self, stream: cuda.CUstream, mO: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDpsum: cute.Tensor, mLSElog2: cute.Tensor,
+                 mdQaccum: cute.Tensor, mdQsem: cute.Tensor | None = None):
+        # FlashBwdPreprocess.__call__'s operands without mdLSE.
         self.launch(stream, mO, mdO, mLSE, None, mDpsum, mLSElog2, mdQaccum, mdQsem)
 
 

@@ -58,8 +58,9 @@ element does not change the SASS. With ``row_sum_chains`` = k the sum runs in k
 serial chains (element i into chain i mod k), and at hdim 64 (either mask) ptxas
 then issues the first exp2 after 6 of the FFMAs; it also moves the P V wait (Note
 [P V wait] in sm90_fwd.py) up: before every exp2 at k = 2 or 4, after 5 of them at
-k = 8, against 9-10 with the single chain. At hdim 128 the unmasked step keeps its
-order. With pin_pv_wait, hdim 64 goes back to 29 FFMAs first. The sum is the same
+k = 8, against 9-10 with the single chain. At hdim 128 it does not help: the
+non-causal step keeps its 32 FFMAs first, and the causal kernel's unmasked step goes
+from 7 to 32. With pin_pv_wait, hdim 64 goes back to 29 FFMAs first. The sum is the same
 up to fp32 rounding order. Whether the earlier exp2s pay on the H200 is not yet
 measured.
 """
