@@ -89,6 +89,10 @@ class KernelKey:
     # from Dpsum; False: that cotangent is a symbolic zero (nothing used the LSE), and
     # the preprocess takes no dLSE operand. True for every other kernel.
     dlse: bool = True
+    # The backward preprocess and postprocess walk (batch, head) from the last to the
+    # first (Note [Pre / post order] in kernels/bwd_preprocess.py;
+    # ``prepost_reverse_enabled``). False for every other kernel.
+    prepost_reverse: bool = False
 
 
 # "0" launches the backward's kernels without programmatic dependent launch (a
@@ -100,6 +104,16 @@ PDL_ENV = "JAX_FA4_PDL"
 # of (B, Hq, Sq) floats and the preprocess that reads it. A diagnostic switch for
 # A/B runs (bench peer ``dlsezeros``); read when the backward is traced.
 DLSE_ZEROS_ENV = "JAX_FA4_DLSE_ZEROS"
+
+# "1": the backward's preprocess and postprocess walk (batch, head) from the last to
+# the first (Note [Pre / post order] in kernels/bwd_preprocess.py), for A/B runs
+# (bench peer ``prerev``); kernels built either way are cached under their own keys.
+PREPOST_REVERSE_ENV = "JAX_FA4_PREPOST_REVERSE"
+
+
+def prepost_reverse_enabled() -> bool:
+    """``$JAX_FA4_PREPOST_REVERSE`` == "1" (off by default: not yet measured)."""
+    return os.environ.get(PREPOST_REVERSE_ENV, "") == "1"
 
 
 def pdl_enabled(arch: str) -> bool:

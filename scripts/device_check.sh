@@ -67,10 +67,11 @@ if [[ $what == next ]]; then
   # 6-8 minutes): the GPU tests of its changes and of fold v4, then the A/B timings
   # (1 s phases under the power cap) and the per-CTA timeline of the fold.
   timeout "${TEST_TIMEOUT:-260}" python -m pytest -m gpu -q -ra -p no:cacheprovider \
-    "${workers[@]}" -k "without_lse_cotangent or row_sum_chains or dq_fold" 2>&1 \
+    "${workers[@]}" -k "without_lse_cotangent or row_sum_chains or dq_fold or prepost_reversed" \
+    2>&1 \
     | tee "$out/next_tests.log" | tail -8
   summary+="next tests: $(tail -1 "$out/next_tests.log")"$'\n'
-  timeout 200 python scripts/clock_probe.py --dirs bwd --peers dlsezeros \
+  timeout 230 python scripts/clock_probe.py --dirs bwd --peers dlsezeros,prerev \
     --cases 128:1024:1,128:1024:0,128:16384:1 --rounds 3 --seconds 1 \
     --csv "$out/probe_dlse.csv" 2>&1 \
     | tee "$out/probe_dlse.log" | tail -12

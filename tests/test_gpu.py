@@ -229,6 +229,36 @@ def test_backward_store_first_switch(monkeypatch, shape, d, causal, deterministi
     _assert_grads_2x(runs["1"][0], q, k, v, dout, dlse, causal)
 
 
+@pytest.mark.parametrize("shape,d,causal", [
+    ((2, 1000, 1000, 8, 2), 128, True), ((3, 777, 1500, 6, 2), 64, False),
+    ((2, 300, 200, 4, 2), 256, True), ((1, 1, 1, 1, 1), 128, False),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_prepost_reversed(monkeypatch, shape, d, causal, deterministic):
+    """JAX_FA4_PREPOST_REVERSE=1 (Note [Pre / post order]; not yet run when added):
+    the preprocess and postprocess walk (batch, head) from the last to the first.
+    Through the public API with an LSE cotangent: the 2x rule, outputs poisoned;
+    deterministic gradients bitwise equal to the grid-order ones."""
+    from jax_fa4.config import PREPOST_REVERSE_ENV
+
+    b, sq, sk, hq, hkv = shape
+    if deterministic and d == 256:
+        pytest.skip("no deterministic hdim 256 backward")
+    q, k, v = rand_qkv(sq + 7 * d, b, sq, sk, hq, hkv, d)
+    dout, dlse = _cotangents(sq + 3, b, sq, hq, d)
+    grads = _api_grads(causal, deterministic)
+    runs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv(PREPOST_REVERSE_ENV, env)
+        fn = jax.jit(grads)  # a new function: lowered under this setting
+        with poison_outputs():
+            runs[env] = jax.block_until_ready(fn(q, k, v, dout, dlse))
+    if deterministic:
+        for i, name in enumerate(("dq", "dk", "dv")):
+            assert bool(jnp.all(runs["1"][i] == runs["0"][i])), f"{name} differs"
+    _assert_grads_2x(runs["1"], q, k, v, dout, dlse, causal)
+
+
 @pytest.mark.parametrize("shape,d,causal,max_sq", [
     ((2, 1000, 1000, 8, 2), 128, True, 2048),  # 16 query tiles of 64: store first
     ((2, 1000, 1000, 8, 2), 128, True, 960),  # 1024 > 960: zero and add (two buffers)

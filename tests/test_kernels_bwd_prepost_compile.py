@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_compile import dump_options, dumped_sass, lower
+from kernel_compile import dump_options, dumped_sass, lower, read_dump
 
 from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
 from jax_fa4.kernels.bwd_preprocess import (
@@ -132,6 +132,47 @@ def test_preprocess_without_dlse_compiles(tmp_path, arch):
         counts[name] = (len(re.findall(r"\bLDG\b", sass)), len(re.findall(r"\bSTG\b", sass)))
     assert counts["none"][0] == counts["dlse"][0] - 4, counts
     assert counts["none"][1] == counts["dlse"][1], counts
+
+
+@needs_cutlass
+def test_prepost_reverse_heads(tmp_path, monkeypatch):
+    """reverse_heads (Note [Pre / post order]; off): the preprocess (row and by-thread
+    statistics) and the postprocess (row and flat dQaccum) read the grid's y and z
+    extents (%nctaid) to count heads and batches from the end; in grid order they do
+    not. $JAX_FA4_PREPOST_REVERSE sets it in the keys of the pre- and postprocess
+    only."""
+    from jax_fa4.config import AttentionConfig
+    from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
+    from jax_fa4.rules.kernels_cuda import _key
+
+    d = 128
+    o, lse, outs = _pre_structs(d)
+    acc = jax.ShapeDtypeStruct(outs[2].shape, jnp.float32)
+    builds = {
+        "pre": (lambda **kw: FlashBwdPreprocess(jnp.bfloat16, d, d, **kw), (o, o, lse, lse), outs),
+        "pre64": (lambda **kw: FlashBwdPreprocess(jnp.bfloat16, d, d, stat_block=64, **kw),
+                  (o, o, lse, lse), outs),
+        "post": (lambda **kw: FlashBwdPostprocess(jnp.bfloat16, d, 0.1, **kw), (acc,), (o,)),
+        "post64": (lambda **kw: FlashBwdPostprocess(jnp.bfloat16, d, 0.1, 64, **kw), (acc,),
+                   (o,)),
+    }
+    for name, (make, ins, outs_) in builds.items():
+        for rev in (False, True):
+            dump = tmp_path / f"{name}_{rev}"
+            lower(lambda make=make, rev=rev: make(reverse_heads=rev), "sm_90a", ins, outs_,
+                  compile_options=dump_options(dump))
+            ptx = read_dump(dump, "ptx")
+            assert ptx is not None
+            got = ("%nctaid.y" in ptx, "%nctaid.z" in ptx)
+            assert got == (rev, rev), (name, rev, got)
+    q = jax.ShapeDtypeStruct((2, 203, 3, d), jnp.bfloat16)
+    cfg = AttentionConfig(scale=0.1, causal=True)
+    kinds = ("bwd_pre", "bwd_pre_by_thread", "bwd_post", "bwd", "fwd")
+    for env, want in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv("JAX_FA4_PREPOST_REVERSE", env)
+        keys = {kind: _key(kind, "sm_90a", q, q, cfg) for kind in kinds}
+        assert {k: v.prepost_reverse for k, v in keys.items()} == {
+            kind: want and kind.startswith(("bwd_pre", "bwd_post")) for kind in kinds}
 
 
 @needs_cutlass

@@ -57,7 +57,8 @@ class FlashBwdPostprocess:
     """
 
     def __init__(self, dtype, head_dim: int, softmax_scale: float,
-                 flat_tile_m: int | None = None, use_pdl: bool = False):
+                 flat_tile_m: int | None = None, use_pdl: bool = False,
+                 reverse_heads: bool = False):
         if cutlass is None:
             raise ImportError("FlashBwdPostprocess needs nvidia-cutlass-dsl")
         if head_dim % 8:
@@ -67,6 +68,8 @@ class FlashBwdPostprocess:
         self.softmax_scale = float(softmax_scale)
         # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
         self.use_pdl = use_pdl
+        # The last (batch, head) first (Note [Pre / post order] in bwd_preprocess.py).
+        self.reverse_heads = reverse_heads
         self.tile_m, self.num_threads = postprocess_tiling(head_dim)
         # The main kernel's query tile when dQaccum is in flat order, else None.
         self.flat_tile_m = flat_tile_m
@@ -118,11 +121,11 @@ class FlashBwdPostprocess:
         copy_acc: cute.TiledCopy,
         copy_dq: cute.TiledCopy,
     ):
-        from jax_fa4.kernels.cute_utils import pdl_start
+        from jax_fa4.kernels.cute_utils import block_idx_heads_last_first, pdl_start
 
         pdl_start(self.use_pdl)  # dQaccum comes from the main kernel
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch = block_idx_heads_last_first(self.reverse_heads)
         rows_left = mdQ.shape[0] - m_block * self.tile_m
 
         blk = (self.tile_m, self.head_dim)
@@ -185,6 +188,7 @@ class FlashBwdPostprocess:
         Storage: cutlass.Constexpr,
     ):
         from jax_fa4.kernels.cute_utils import (
+            block_idx_heads_last_first,
             pdl_start,
             stmatrix_acc,
             tma_store_tile,
@@ -194,7 +198,7 @@ class FlashBwdPostprocess:
 
         pdl_start(self.use_pdl)  # dQaccum comes from the main kernel
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch = block_idx_heads_last_first(self.reverse_heads)
         tm, d = self.tile_m, self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
         storage = cutlass.utils.SmemAllocator().allocate(Storage)

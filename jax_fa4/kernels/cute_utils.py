@@ -286,6 +286,17 @@ class DqSemaphoreCall:
         self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
 
 
+def block_idx_heads_last_first(reverse: bool):
+    """blockIdx of a (query block, head, batch) grid, with head and batch counted from
+    the end when ``reverse`` (Note [Pre / post order] in bwd_preprocess.py): the
+    grid then dispatches the last (batch, head) first. A plain Python switch."""
+    x, y, z = cute.arch.block_idx()
+    if reverse:
+        _, gy, gz = cute.arch.grid_dim()
+        y, z = gy - 1 - y, gz - 1 - z
+    return x, y, z
+
+
 def pdl_start(use_pdl: bool) -> None:
     """The first device step of a kernel launched with programmatic dependent launch
     (``launch(use_pdl=True)``). Such a kernel may start while the kernel before it

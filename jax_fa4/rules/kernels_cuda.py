@@ -25,6 +25,7 @@ from jax_fa4.config import (
     dq_store_first_override,
     dtype_name,
     pdl_enabled,
+    prepost_reverse_enabled,
 )
 from jax_fa4.ffi import cutlass_available, kernel_call
 
@@ -68,7 +69,11 @@ def _key(kind: str, arch: str, q, v, config: AttentionConfig,
         dq_first_max_sq=dq_store_first[1],
         dq_fold=dq_fold,
         dlse=dlse,
+        prepost_reverse=kind in _PREPOST_KINDS and prepost_reverse_enabled(),
     )
+
+
+_PREPOST_KINDS = ("bwd_pre", "bwd_pre_by_thread", "bwd_post")
 
 
 def _table_fold(arch: str, q, config: AttentionConfig) -> int:
@@ -227,7 +232,7 @@ def _pre_kernel(key: KernelKey):
                        "zero_dq_above": key.dq_first_max_sq}
     kernel = FlashBwdPreprocess if key.dlse else FlashBwdPreprocessNoDlse
     return kernel(_cutlass_dtype(key.dtype), key.head_dim_v, key.head_dim, stat_block=block,
-                  use_pdl=key.pdl, **store_first)
+                  use_pdl=key.pdl, reverse_heads=key.prepost_reverse, **store_first)
 
 
 def _sem_tile_m(key: KernelKey) -> int:
@@ -284,7 +289,7 @@ def _post_kernel(key: KernelKey):
 
     return FlashBwdPostprocess(_cutlass_dtype(key.dtype), key.head_dim, key.scale,
                                _flat_dq_tile_m(key.arch, key.head_dim, key.causal),
-                               use_pdl=key.pdl)
+                               use_pdl=key.pdl, reverse_heads=key.prepost_reverse)
 
 
 def backward(q, k, v, out, lse, dout, *dlse, config: AttentionConfig, arch: str):
