@@ -79,6 +79,18 @@ def _api_grads(causal: bool, deterministic: bool = False):
     return grads
 
 
+def _grads_under_env(monkeypatch, var: str, values, grads, args, calls: int = 1):
+    """{value: [grads(*args) of each call]} with $var set to each value in turn; a new
+    jit function per value (lowered under that setting), every output poisoned."""
+    runs = {}
+    for value in values:
+        monkeypatch.setenv(var, value)
+        fn = jax.jit(grads)
+        with poison_outputs():
+            runs[value] = [jax.block_until_ready(fn(*args)) for _ in range(calls)]
+    return runs
+
+
 def _assert_grads_2x(got, q, k, v, dout, dlse, causal):
     """(dq, dk, dv) of attention(q, k, v) with cotangents (dout, dlse) against the
     f32 reference's, by the 2x rule (the same math in q's dtype as the low side)."""
@@ -214,14 +226,8 @@ def test_backward_store_first_switch(monkeypatch, shape, d, causal, deterministi
     q, k, v = rand_qkv(sq + 5 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 2, b, sq, hq, d)
 
-    grads = _api_grads(causal, deterministic)
-
-    runs = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv(DQ_STORE_FIRST_ENV, env)
-        fn = jax.jit(grads)  # a new function: lowered under this setting
-        with poison_outputs():
-            runs[env] = [jax.block_until_ready(fn(q, k, v, dout, dlse)) for _ in range(2)]
+    runs = _grads_under_env(monkeypatch, DQ_STORE_FIRST_ENV, ("1", "0"),
+                            _api_grads(causal, deterministic), (q, k, v, dout, dlse), calls=2)
     if deterministic:
         for i, name in enumerate(("dq", "dk", "dv")):
             for r in (runs["1"][1], runs["0"][0]):
@@ -246,17 +252,12 @@ def test_backward_prepost_reversed(monkeypatch, shape, d, causal, deterministic)
         pytest.skip("no deterministic hdim 256 backward")
     q, k, v = rand_qkv(sq + 7 * d, b, sq, sk, hq, hkv, d)
     dout, dlse = _cotangents(sq + 3, b, sq, hq, d)
-    grads = _api_grads(causal, deterministic)
-    runs = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv(PREPOST_REVERSE_ENV, env)
-        fn = jax.jit(grads)  # a new function: lowered under this setting
-        with poison_outputs():
-            runs[env] = jax.block_until_ready(fn(q, k, v, dout, dlse))
+    runs = _grads_under_env(monkeypatch, PREPOST_REVERSE_ENV, ("1", "0"),
+                            _api_grads(causal, deterministic), (q, k, v, dout, dlse))
     if deterministic:
         for i, name in enumerate(("dq", "dk", "dv")):
-            assert bool(jnp.all(runs["1"][i] == runs["0"][i])), f"{name} differs"
-    _assert_grads_2x(runs["1"], q, k, v, dout, dlse, causal)
+            assert bool(jnp.all(runs["1"][0][i] == runs["0"][0][i])), f"{name} differs"
+    _assert_grads_2x(runs["1"][0], q, k, v, dout, dlse, causal)
 
 
 @pytest.mark.parametrize("shape,d,causal,max_sq", [
