@@ -161,7 +161,7 @@ def jax_impls(peers):
     # jax_fa4 with its backward's PDL chain on / off, and with each query block's
     # first dQ partial stored / dQaccum zeroed by the preprocess (ENV_OF)
     for peer in ("pdl", "nopdl", "storefirst", "zerodq", "firstbylen", "fold", "fold3",
-                 "nofold", "dlsezeros", "prerev"):
+                 "nofold", "dlsezeros", "prerev", "prefwd"):
         if peer in peers:
             impls[f"jax_fa4_{peer}"] = impls["jax_fa4"]
     return impls
@@ -187,8 +187,10 @@ ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": 
           # session (an XLA zero fill and the preprocess reading it).
           "jax_fa4_dlsezeros": {"JAX_FA4_DLSE_ZEROS": "1"},
           # The preprocess and postprocess walking (batch, head) last first (Note
-          # [Pre / post order]).
-          "jax_fa4_prerev": {"JAX_FA4_PREPOST_REVERSE": "1"}}
+          # [Pre / post order]; the default since the twenty-sixth session) / in
+          # grid order.
+          "jax_fa4_prerev": {"JAX_FA4_PREPOST_REVERSE": "1"},
+          "jax_fa4_prefwd": {"JAX_FA4_PREPOST_REVERSE": "0"}}
 
 
 def environment(env: dict | None):
@@ -412,9 +414,9 @@ def main(argv=None):
                         "query rows, JAX_FA4_DQ_FIRST_MAX_SQ=2048), fold / nofold (dQ "
                         "converted in the main kernel / by the postprocess, "
                         "JAX_FA4_DQ_FOLD=1 / 0), fold3 (JAX_FA4_DQ_FOLD=3), dlsezeros "
-                        "(a zero-filled LSE cotangent, JAX_FA4_DLSE_ZEROS=1), prerev (the "
-                        "pre- and postprocess over heads last first, "
-                        "JAX_FA4_PREPOST_REVERSE=1)")
+                        "(a zero-filled LSE cotangent, JAX_FA4_DLSE_ZEROS=1), prerev / prefwd "
+                        "(the pre- and postprocess over heads last first, the default / in "
+                        "grid order, JAX_FA4_PREPOST_REVERSE=1 / 0)")
     p.add_argument("--iters", type=int, default=20,
                    help="back-to-back calls per timed rep (5 reps, median)")
     p.add_argument("--rounds", type=int, default=1,

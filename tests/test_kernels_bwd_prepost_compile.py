@@ -168,7 +168,7 @@ def test_prepost_reverse_heads(tmp_path, monkeypatch):
     q = jax.ShapeDtypeStruct((2, 203, 3, d), jnp.bfloat16)
     cfg = AttentionConfig(scale=0.1, causal=True)
     kinds = ("bwd_pre", "bwd_pre_by_thread", "bwd_post", "bwd", "fwd")
-    for env, want in (("1", True), ("0", False), ("", False)):
+    for env, want in (("1", True), ("0", False), ("", True)):
         monkeypatch.setenv("JAX_FA4_PREPOST_REVERSE", env)
         keys = {kind: _key(kind, "sm_90a", q, q, cfg) for kind in kinds}
         assert {k: v.prepost_reverse for k, v in keys.items()} == {

@@ -34,10 +34,12 @@ last, after the first 110 MiB have evicted them. With ``reverse_heads`` it start
 with the last (batch, head) and reads them from L2 first: about 12% fewer DRAM
 reads of dQaccum, the postprocess being bound by DRAM. The same for the preprocess
 the other way round: its last heads' O / dO and zeroed dQaccum blocks are the ones
-L2 keeps, so in reverse those are the heads the main kernel starts with. Off (a
-knob, ``KernelKey.prepost_reverse``, ``$JAX_FA4_PREPOST_REVERSE``) until it is
-measured. At 16k tokens the postprocess is about 1% of the backward, so the knob
-can matter only at short sequences.
+L2 keeps, so in reverse those are the heads the main kernel starts with. At 16k
+tokens the postprocess is about 1% of the backward, so the order can matter only at
+short sequences. Measured on the H200 (twenty-sixth session, 3 rounds of 1 s each
+way, one process): the backward 0.5% faster at hdim 128 1k tokens, causal and not,
+and 0.1% at 16k causal. On by default (``KernelKey.prepost_reverse``;
+``$JAX_FA4_PREPOST_REVERSE=0`` walks in grid order).
 """
 
 from __future__ import annotations

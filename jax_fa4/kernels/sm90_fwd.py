@@ -256,8 +256,9 @@ class Sm90FwdTiles:
     # P's row sum in this many serial chains (1, 2, 4 or 8) instead of one
     # (``OnlineSoftmax(row_sum_chains=k)``, Note [Row sum in chains] in
     # softmax.py): at hdim 64 ptxas then issues a row's first exp2 after 6 of its
-    # exponent FFMAs, not after all 32. Off: not yet timed (twenty-fifth session,
-    # CPU only; SASS in tests/test_kernels_sm90_fwd_compile.py).
+    # exponent FFMAs, not after all 32. The table's at hdim 64 non-causal (k = 2,
+    # x1.010 on the H200, twenty-sixth session); off elsewhere (hdim 64 causal
+    # 0.995; SASS in tests/test_kernels_sm90_fwd_compile.py).
     row_sum_chains: int = 0
     # Q as the register (A) operand of S = Q K^T: each consumer thread loads its
     # part of the tile's Q from SMEM once (ldmatrix) after the Q wait, and every
@@ -440,6 +441,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
             pin_p=True,
             quad_fmax=True,
             mask_bitmask=causal,
+            row_sum_chains=0 if causal else 2,
         )
     if d <= 128:
         tile_n = 128
