@@ -10,7 +10,7 @@
 # knobs: the GPU tests of the forward's tile-order knobs (persistent, lpt), then
 # gpu_check_fwd checks and A/B timings of both at the benchmark's rows (hdim 128 at
 # 1k, 4k, 16k; hdim 64 and 256 at 8k).
-# next: the GPU work queued by the last session without device time (below).
+# next: the GPU work the last session queued (below).
 # compile: benchmarks/compile_time.py (fresh processes, cold and cached; about 3-4
 # minutes for 4 configurations), stopped after COMPILE_TIMEOUT seconds (540).
 # BWD_TIMING=diff times the backward as fwd+bwd minus fwd (default: direct, the
@@ -63,23 +63,18 @@ if [[ $what == knobs ]]; then
   summary+="knob checks: $(grep -h 'correctness:' "$out"/knob_fwd_1k.log)"$'\n'
 fi
 if [[ $what == next ]]; then
-  # What the twenty-fifth session (no device time) left to run, in one call (about
-  # 6-8 minutes): the GPU tests of its changes and of fold v4, then the A/B timings
-  # (1 s phases under the power cap) and the per-CTA timeline of the fold.
-  timeout "${TEST_TIMEOUT:-260}" python -m pytest -m gpu -q -ra -p no:cacheprovider \
-    "${workers[@]}" -k "without_lse_cotangent or row_sum_chains or dq_fold or prepost_reversed" \
-    2>&1 \
-    | tee "$out/next_tests.log" | tail -8
+  # What the twenty-sixth session left to run (its device time went to the
+  # twenty-fifth session's queue, the changed defaults' tests and two benchmark
+  # runs): compile times of the changed configurations (hdim 64 non-causal forward,
+  # the reversed pre / post) and the API-level GPU tests not run since the defaults
+  # changed; about 5-7 minutes.
+  timeout "${COMPILE_TIMEOUT:-330}" python benchmarks/compile_time.py --hdims 64,128 \
+    --out "$out" 2>&1 | tee "$out/compile.log" | tail -12
+  summary+="compile: $(grep -m1 '^csv:' "$out/compile.log" || tail -1 "$out/compile.log")"$'\n'
+  timeout "${TEST_TIMEOUT:-240}" python -m pytest -m gpu -q -ra -p no:cacheprovider \
+    "${workers[@]}" -k "vmap or nnx or deterministic or pdl_chain or negative_scale or store_first" \
+    2>&1 | tee "$out/next_tests.log" | tail -8
   summary+="next tests: $(tail -1 "$out/next_tests.log")"$'\n'
-  timeout 230 python scripts/clock_probe.py --dirs bwd --peers dlsezeros,prerev \
-    --cases 128:1024:1,128:1024:0,128:16384:1 --rounds 3 --seconds 1 \
-    --csv "$out/probe_dlse.csv" 2>&1 \
-    | tee "$out/probe_dlse.log" | tail -12
-  timeout 120 python scripts/clock_probe.py --dirs fwd --variants rs8,rs2 --no-fa4 \
-    --cases 64:8192:1,64:8192:0 --rounds 3 --seconds 1 --csv "$out/probe_rs.csv" 2>&1 \
-    | tee "$out/probe_rs.log" | tail -12
-  timeout 120 python scripts/cta_timeline.py --cases 128:1024:1,128:16384:1 \
-    --variants table,fold --out "$out" 2>&1 | tee "$out/timeline.log" | tail -40
 fi
 if [[ $what == all ]]; then
   python examples/train_tiny_transformer.py --steps 20 2>&1 | tee "$out/example.log" | tail -4

@@ -241,8 +241,9 @@ def test_backward_store_first_switch(monkeypatch, shape, d, causal, deterministi
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_backward_prepost_reversed(monkeypatch, shape, d, causal, deterministic):
-    """JAX_FA4_PREPOST_REVERSE=1 (Note [Pre / post order]; not yet run when added):
-    the preprocess and postprocess walk (batch, head) from the last to the first.
+    """JAX_FA4_PREPOST_REVERSE=1 / 0 (Note [Pre / post order]; passed on the H200,
+    twenty-sixth session): the preprocess and postprocess walk (batch, head) from the
+    last to the first (the default) / in grid order.
     Through the public API with an LSE cotangent: the 2x rule, outputs poisoned;
     deterministic gradients bitwise equal to the grid-order ones."""
     from jax_fa4.config import PREPOST_REVERSE_ENV
@@ -531,7 +532,8 @@ def test_forward_tile_order_knobs(knob, shape, d):
     max's quad shuffles NaN-propagating (the table uses fmax, quad_fmax). row_fmax
     (not yet run when added): the thread's columns max-reduced with fmax in four
     chains, the old max folded in before the shuffles; hdim 64 / 128 / 256.
-    row_sum_chains (not yet run when added): P's row sum in 8 (or 2) chains, hdim
+    row_sum_chains (passed on the H200, twenty-sixth session, after the hdim 256
+    case's fix: 20 elements a row in 8 chains): P's row sum in 8 (or 2) chains, hdim
     64 / 128 / 256, Sk below, at and above Sq.
     q_in_regs (hdim 128, not yet run when added): Q loaded into registers once per
     tile (ldmatrix) as the A operand of S = Q K^T, the Q buffer released at once;
