@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -18,7 +17,6 @@ from jax.custom_derivatives import SymbolicZero
 from jax_fa4 import reference
 from jax_fa4.config import (
     DETERMINISTIC_BWD_HEAD_DIMS,
-    DLSE_ZEROS_ENV,
     IMPLEMENTATIONS,
     AttentionConfig,
     any_kernel_support_error,
@@ -112,8 +110,6 @@ def _attention_bwd(config, residuals, cotangents):
     dout, dlse = cotangents
     if isinstance(dout, SymbolicZero):  # only the LSE is used
         dout = jnp.zeros(out.shape, out.dtype)
-    if isinstance(dlse, SymbolicZero) and os.environ.get(DLSE_ZEROS_ENV) == "1":
-        dlse = jnp.zeros(lse.shape, jnp.float32)  # the A/B switch's old way
     extra = () if isinstance(dlse, SymbolicZero) else (dlse.astype(jnp.float32),)
     dq, dk, dv = fa4_bwd_p.bind(
         q, k, v, out, lse, dout.astype(out.dtype), *extra, config=config

@@ -114,20 +114,24 @@ def digest(archs, out_path: str) -> None:
 
 
 def compare(a: str, b: str) -> int:
+    """Kernels are matched by (arch, dtype, head dims, kind): the set of SASS digests
+    under each must be the same (which configuration built a kernel first, and how
+    kernels are shared between configurations, may differ)."""
+
     def load(p):
         rows = {}
         for line in pathlib.Path(p).read_text().splitlines():
-            *cfg, name, h, n = line.split()
-            rows.setdefault((" ".join(cfg), name), []).append((h, n))
+            arch, dtype, d, dv, *_, kind, h, _n = line.split()
+            rows.setdefault((arch, dtype, d, dv, kind), set()).add(h)
         return rows
 
     ra, rb = load(a), load(b)
     bad = 0
     for k in sorted(set(ra) | set(rb)):
-        if sorted(ra.get(k, [])) != sorted(rb.get(k, [])):
+        if ra.get(k) != rb.get(k):
             bad += 1
-            print("DIFFERS", *k, ra.get(k), rb.get(k))
-    print(f"{len(set(ra) | set(rb))} kernels compared, {bad} differ")
+            print("DIFFERS", *k, sorted(ra.get(k, ())), sorted(rb.get(k, ())))
+    print(f"{len(set(ra) | set(rb))} kernel groups compared, {bad} differ")
     return 1 if bad else 0
 
 

@@ -190,7 +190,7 @@ def _sources_digest() -> str:
 
     h = hashlib.sha256()
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for sub in ("kernels", "ffi"):
+    for sub in ("kernels", "ffi", "rules"):
         folder = os.path.join(pkg, sub)
         for name in sorted(os.listdir(folder)):
             if name.endswith(".py"):

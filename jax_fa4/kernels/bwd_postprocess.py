@@ -58,7 +58,7 @@ class FlashBwdPostprocess:
 
     def __init__(self, dtype, head_dim: int, softmax_scale: float,
                  flat_tile_m: int | None = None, use_pdl: bool = False,
-                 reverse_heads: bool = False):
+                 reverse_heads: bool = True):
         if cutlass is None:
             raise ImportError("FlashBwdPostprocess needs nvidia-cutlass-dsl")
         if head_dim % 8:

@@ -249,7 +249,7 @@ class FlashBwdPreprocess:
 
     def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None,
                  use_pdl: bool = False, zero_dq: bool = True, sem_tile_m: int | None = None,
-                 zero_dq_above: int = 0, reverse_heads: bool = False):
+                 zero_dq_above: int = 0, reverse_heads: bool = True):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:

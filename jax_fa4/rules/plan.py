@@ -1,0 +1,162 @@
+"""Launch plans: what one configuration's forward or backward launches.
+
+A plan is built once per configuration (architecture, dtype, head dims, mask,
+scale, determinism) and is the only place that asks the kernel modules about
+their layout choices: which forward takes a tile counter, in which order the
+backward's statistics and dQ accumulator are laid out, what the deterministic
+kernel's semaphores cover. It holds the compile key of every kernel it launches,
+builds their kernel objects from those keys, and sizes the workspaces for a call.
+The lowering (``kernels_cuda``) reads it as a list of calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4.config import KernelKey
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdPlan:
+    """The forward: one kernel."""
+
+    key: KernelKey
+    # The sm90 causal persistent kernel takes tiles from a global int32 counter,
+    # one more operand (zero at launch) aliased to a third output.
+    tile_counter: bool
+
+    def build(self):
+        k = self.key
+        if k.arch == "sm_90a":
+            from jax_fa4.kernels.sm90_fwd import make_fwd_sm90 as make
+        elif k.arch == "sm_100a":  # compiled, not run on hardware
+            from jax_fa4.kernels.sm100_fwd import FlashFwdSm100 as make
+        else:
+            raise NotImplementedError(f"no forward kernel for {k.arch}")
+        return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    """The backward: preprocess -> main kernel -> postprocess.
+
+    The preprocess writes Dpsum and LSE in log2 units (in the order the main
+    kernel reads them, ``pre.stat_block``) and zeroes the fp32 dQ accumulator;
+    the main kernel writes dK and dV and reduce-adds dQ partials into the
+    accumulator (in the order ``post.dq_tile_m`` names); the postprocess scales
+    and converts it to dQ. On sm_90a the three form one programmatic-dependent-
+    launch chain.
+    """
+
+    pre: KernelKey
+    main: KernelKey
+    post: KernelKey
+    # The deterministic main kernel orders its dQ adds with one int32 semaphore
+    # per (batch, head, query block of this many rows), zero at launch; else 0.
+    sem_tile_m: int
+
+    @property
+    def pdl(self) -> bool:
+        return self.main.arch == "sm_90a"
+
+    def workspaces(self, batch: int, seqlen_q: int, heads_q: int):
+        """(Dpsum, LSElog2, dQaccum) structs for one call."""
+        from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
+
+        # An 80-row flat query tile's last block may reach past round_up(Sq, 128).
+        ws = bwd_workspace_shapes(batch, seqlen_q, heads_q, self.main.head_dim,
+                                  tile_m=self.post.dq_tile_m or None)
+        return tuple(jax.ShapeDtypeStruct(*ws[n]) for n in ("Dpsum", "LSElog2", "dQaccum"))
+
+    def semaphores(self, batch: int, seqlen_q: int, heads_q: int):
+        return jax.ShapeDtypeStruct((batch, heads_q, -(-seqlen_q // self.sem_tile_m)),
+                                    jnp.int32)
+
+    def build_pre(self):
+        from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess, FlashBwdPreprocessNoDlse
+
+        k = self.pre
+        kernel = FlashBwdPreprocess if k.dlse else FlashBwdPreprocessNoDlse
+        return kernel(_cutlass_dtype(k.dtype), k.head_dim_v, k.head_dim,
+                      stat_block=k.stat_block or None, use_pdl=self.pdl)
+
+    def build_main(self):
+        k = self.main
+        det = k.kind == "bwd_det"
+        if k.arch == "sm_90a" and det:
+            from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic as Kernel
+        elif k.arch == "sm_90a" and k.head_dim == 256:
+            from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
+        elif k.arch == "sm_90a":
+            from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
+        elif k.arch == "sm_100a" and det:  # compiled, not run on hardware
+            from jax_fa4.kernels.sm100_bwd import FlashBwdSm100Deterministic as Kernel
+        elif k.arch == "sm_100a":  # compiled, not run on hardware
+            from jax_fa4.kernels.sm100_bwd import FlashBwdSm100 as Kernel
+        else:
+            raise NotImplementedError(f"no backward kernel for {k.arch}")
+        extra = {"use_pdl": True} if self.pdl else {}
+        return Kernel(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
+                      **extra)
+
+    def build_post(self):
+        from jax_fa4.kernels.bwd_postprocess import FlashBwdPostprocess
+
+        k = self.post
+        return FlashBwdPostprocess(_cutlass_dtype(k.dtype), k.head_dim, k.scale,
+                                   k.dq_tile_m or None, use_pdl=self.pdl)
+
+
+@functools.cache
+def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
+             scale: float) -> FwdPlan:
+    key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
+                    head_dim_v=head_dim_v, causal=causal, scale=scale)
+    counter = False
+    if arch == "sm_90a":
+        from jax_fa4.kernels.sm90_fwd import fwd_tiles
+
+        counter = causal and fwd_tiles(head_dim, head_dim_v, causal).persistent
+    return FwdPlan(key=key, tile_counter=counter)
+
+
+@functools.cache
+def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
+             scale: float, deterministic: bool, dlse: bool) -> BwdPlan:
+    """``dlse``: the preprocess takes LSE's cotangent (False where it is a symbolic
+    zero: nothing used the LSE)."""
+    stat_block = dq_tile_m = 0
+    if arch == "sm_90a" and head_dim in (64, 128):
+        from jax_fa4.kernels.sm90_bwd import dq_accum_flat_tile_m, stats_thread_block
+
+        stat_block = stats_thread_block(head_dim, causal) or 0
+        dq_tile_m = dq_accum_flat_tile_m(head_dim, causal) or 0
+    sem_tile_m = 0
+    if deterministic:
+        if arch == "sm_90a":
+            from jax_fa4.kernels.sm90_bwd import bwd_tiles
+        else:
+            from jax_fa4.kernels.sm100_bwd import bwd_tiles
+        sem_tile_m = bwd_tiles(head_dim, causal).tile_m
+    common = dict(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
+    # The pre- and postprocess ignore the mask (and the preprocess the scale): they
+    # are keyed by the layouts they share with the main kernel instead.
+    return BwdPlan(
+        pre=KernelKey(kind="bwd_pre", causal=False, scale=1.0, stat_block=stat_block,
+                      dlse=dlse, **common),
+        main=KernelKey(kind="bwd_det" if deterministic else "bwd", causal=causal, scale=scale,
+                       **common),
+        post=KernelKey(kind="bwd_post", causal=False, scale=scale, dq_tile_m=dq_tile_m,
+                       **common),
+        sem_tile_m=sem_tile_m,
+    )
