@@ -147,3 +147,19 @@ def test_dot_product_attention_mask_bias_lengths_window():
         assert max_err(got, want) < 1e-5, kwargs
     with pytest.raises(ValueError, match="cannot take mask"):
         jax_fa4.dot_product_attention(q, k, v, mask=mask, implementation="cute")
+
+
+def test_package_reads_only_its_two_environment_variables():
+    """Configuration is by argument: the library reads $JAX_FA4_ARCH and
+    $JAX_FA4_CACHE_DIR and no other JAX_FA4_* variable (an experiment switch read
+    at trace time would be in no jit cache key)."""
+    import pathlib
+    import re
+
+    import jax_fa4
+
+    root = pathlib.Path(jax_fa4.__file__).parent
+    names = set()
+    for path in root.rglob("*.py"):
+        names |= set(re.findall(r"JAX_FA4_[A-Z0-9_]+", path.read_text()))
+    assert names == {"JAX_FA4_ARCH", "JAX_FA4_CACHE_DIR"}, names

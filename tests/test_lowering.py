@@ -285,18 +285,30 @@ def test_deterministic_backward_lowers(d, causal):
         _lower(grads("sm_90a"), *_structs(b, sq, 203, hq, 2, 256, jnp.bfloat16))
 
 
-def test_stats_by_thread_reaches_the_preprocess(monkeypatch):
-    """BwdTiles.stats_by_thread is in the table at hdim 128 (sm_90a, both masks):
-    there the backward keys its preprocess by mask ("bwd_pre_by_thread") and the
-    kernel built for that key has the main kernel's query tile as its statistics
-    block (bwd_preprocess.stat_position); everywhere else the preprocess stays
-    row-ordered, keyed without the mask (unless Note [dQ store first] applies)."""
+def test_launch_plans_key_every_kernel_by_what_changes_it(monkeypatch):
+    """The backward's plan keys its pre- and postprocess by the layouts they share
+    with the main kernel: on sm_90a at head dims 64 / 128 the flat dQ accumulator's
+    query tile, and at hdim 128 (both masks) the by-thread statistics block;
+    elsewhere row order. The lowering launches exactly the plan's keys, and the
+    kernels built from them take those layouts."""
     from jax_fa4.config import AttentionConfig
     from jax_fa4.rules import kernels_cuda
+    from jax_fa4.rules.plan import bwd_plan, fwd_plan
 
-    assert [kernels_cuda._stats_block(a, d, c) for a in ("sm_90a", "sm_100a")
-            for d in (64, 128, 256) for c in (False, True)] == [
-        None, None, 64, 64, None, None] + [None] * 6
+    layouts = {(a, d, c): (bwd_plan(a, "bfloat16", d, d, c, 0.1, False, False).pre.stat_block,
+                           bwd_plan(a, "bfloat16", d, d, c, 0.1, False, False).post.dq_tile_m)
+               for a in ("sm_90a", "sm_100a") for d in (64, 128) for c in (False, True)}
+    assert layouts == {("sm_90a", 64, False): (0, 128), ("sm_90a", 64, True): (0, 128),
+                       ("sm_90a", 128, False): (64, 64), ("sm_90a", 128, True): (64, 64),
+                       **{("sm_100a", d, c): (0, 0) for d in (64, 128) for c in (False, True)}}
+    assert [fwd_plan("sm_90a", "bfloat16", d, d, c, 0.1).tile_counter
+            for d in (64, 128, 256) for c in (False, True)] == [False, True, False, True,
+                                                               False, False]
+    # The plan's pre/post keys do not depend on the mask: one kernel serves both.
+    plans = [bwd_plan("sm_90a", "bfloat16", 128, 128, c, 0.1, False, True) for c in (0, 1)]
+    assert plans[0].pre == plans[1].pre and plans[0].post == plans[1].post
+    assert plans[0].main != plans[1].main
+
     keys = []
     real_call = kernels_cuda.kernel_call
 
@@ -305,23 +317,18 @@ def test_stats_by_thread_reaches_the_preprocess(monkeypatch):
         return real_call(key, *args, **kwargs)
 
     monkeypatch.setattr(kernels_cuda, "kernel_call", call)
-    for causal, d, block in ((True, 128, 64), (False, 128, 64), (True, 64, None)):
-        cfg = AttentionConfig(scale=0.1234, causal=causal)
+    cfg = AttentionConfig(scale=0.1234, causal=True)
 
-        def grads(q, k, v, cfg=cfg):
-            out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
-            return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg,
-                                         arch="sm_90a")
+    def grads(q, k, v):
+        out, lse = kernels_cuda.forward(q, k, v, config=cfg, arch="sm_90a")
+        return kernels_cuda.backward(q, k, v, out, lse, out, lse, config=cfg, arch="sm_90a")
 
-        keys.clear()
-        text = _lower(grads, *_structs(2, 113, 203, 8, 2, d, jnp.bfloat16))
-        assert text.count(CALL) == 4
-        (pre,) = [k for k in keys if k.kind.startswith("bwd_pre")]
-        assert pre.kind == ("bwd_pre" if block is None else "bwd_pre_by_thread")
-        # Keyed by mask too where the main kernel stores each query block's first dQ
-        # partial (the preprocess sizes its semaphores by the main kernel's tile).
-        assert pre.causal == (causal and (block is not None or pre.dq_store_first))
-        assert kernels_cuda._pre_kernel(pre).stat_block == block, (causal, d)
+    text = _lower(grads, *_structs(2, 113, 203, 8, 2, 128, jnp.bfloat16))
+    assert text.count(CALL) == 4
+    plan = bwd_plan("sm_90a", "bfloat16", 128, 128, True, 0.1234, False, True)
+    assert keys == [fwd_plan("sm_90a", "bfloat16", 128, 128, True, 0.1234).key,
+                    plan.pre, plan.main, plan.post]
+    assert plan.build_pre().stat_block == 64
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
