@@ -4,8 +4,9 @@ Each configuration (architecture, dtype, head dims, causal, deterministic, wheth
 the LSE has a cotangent) is lowered through ``jax_fa4.attention`` and its gradient
 for platform cuda; the CuTe DSL dumps the SASS of every kernel it compiles, and this
 script writes one line per kernel, under the first configuration that builds it:
-the configuration, the kernel's kind, a digest of its SASS (addresses and the kernel's own name taken out). Two such files compared
-(``--compare``) tell whether a change to the kernel sources changed any machine code.
+the configuration, the kernel's kind, a digest of its SASS (addresses and the
+kernel's own name taken out). Two such files compared (``--compare``) tell whether a
+change to the kernel sources changed any machine code.
 
     python scripts/sass_digest.py --out /tmp/sass_before.txt [--arch sm_90a,sm_100a]
     python scripts/sass_digest.py --out /tmp/sass_after.txt
