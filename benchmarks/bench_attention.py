@@ -1,29 +1,23 @@
-"""Attention speed: jax_fa4 vs cuDNN and XLA (via jax.nn) and flash-attn-4 (PyTorch),
-all in one process on the same GPU.
+"""Attention speed: jax_fa4 against flash-attn-4 (PyTorch), cuDNN and XLA (both through
+jax.nn.dot_product_attention), all in one process on the same GPU.
 
-Cases follow ../shared/FA4_FACTS.md: bf16, 16k tokens per batch, hidden 2048
-(heads = 2048 / hdim). FLOPs: forward 4*B*H*S^2*D (halved when causal),
-backward 2.5x forward. Prints a table of ms, TFLOP/s and ratios; writes CSV
-and a PNG plot to --out.
+Cases: bf16, 16k tokens per batch (batch = 16384 / seqlen), hidden 2048 (heads =
+2048 / hdim). FLOPs: forward 4*B*H*S^2*D (halved when causal), backward 2.5x the
+forward. Prints a table of TFLOP/s, jax_fa4's ratio to each peer and memory; writes a
+CSV and (with matplotlib) a PNG plot to --out (default ./bench_out).
 
-Timing, the same for every implementation (`time_calls`): one warm-up call
-(compiles), then the median over 5 reps of the mean host time of `--iters`
-back-to-back calls, synchronised once at the end of each rep. "bwd" is the
-backward alone, run on the residuals of one saved forward (`--bwd-timing direct`,
-the default), or (forward + backward) minus forward (`diff`).
-
-With `--rounds R` (R > 1) every implementation of a case is set up first and then
-timed in R alternating rounds (scripts/ab_timing.py: A B C, then C B A, ...),
-each round `--iters` back-to-back calls of each forward and backward; the figure
-is the median over the rounds, and the CSV gets each one's range over the rounds
-(fwd_range / bwd_range, as a fraction of the median). Clock and power drift then
-hit every implementation alike instead of whichever ran last. Before each timed
-burst the same implementation runs untimed for --settle-ms (200 ms): under this
-load the H200 sits at its 700 W power cap, where each kernel holds its own SM clock
-(scripts/clock_probe.py), and an unsettled burst partly runs at the clock the
-previous implementation left (ab_timing's Note [Clock settling]). XLA, which
-materialises the scores and runs far below the cap, is timed after the rounds on
-its own (OUTSIDE_ROUNDS), without a range.
+Method (the defaults): every implementation of a case is set up and compiled first,
+then timed in --rounds (6) alternating rounds (A B C, then C B A, ...), each round
+--iters (20) back-to-back calls of each forward and backward, synchronised once; a
+figure is the median over the rounds, and the CSV gets each one's range over the
+rounds (fwd_range / bwd_range, as a fraction of the median). Before each timed burst
+the same implementation runs untimed for --settle-ms (200 ms): under this load the
+H200 sits at its 700 W power cap, where each kernel holds its own SM clock (Note
+[Clock settling]). XLA, which materialises the scores and runs far below the cap, is
+timed after the rounds on its own (OUTSIDE_ROUNDS), without a range. "bwd" is the
+backward alone, run on the residuals of one saved forward (--bwd-timing direct), or
+(forward + backward) minus forward (diff). --rounds 1 times each implementation on
+its own, in turn (``time_calls``: the median of 5 reps of --iters calls).
 
 Memory of the forward + backward step, in MiB:
   temp / total  JAX implementations: XLA's buffer assignment of the compiled
@@ -34,30 +28,26 @@ Memory of the forward + backward step, in MiB:
                 already allocated): outputs (dq, dk, dv, out, lse) and every
                 temporary. Compare it with total minus the inputs (q, k, v, dout).
 
-    python benchmarks/bench_attention.py [--quick] [--out DIR] [--peers fa4,cudnn,xla]
+    python benchmarks/bench_attention.py [--out DIR] [--peers fa4,cudnn,xla] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import datetime
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from unittest import mock
 
 # XLA grows its pool on demand instead of taking 75% of the GPU at start: PyTorch
 # (flash-attn-4) runs in the same process. main() warns when this was overridden.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Benchmark this checkout's jax_fa4, installed or not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "scripts"))  # ab_timing
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +100,65 @@ def time_calls(call, sync, iters: int, reps: int = 5) -> float:
     return statistics.median(samples)
 
 
-def time_jax(fn, args, iters: int, reps: int = 5) -> float:
-    return time_calls(lambda: fn(*args), jax.block_until_ready, iters, reps)
+# Note [Clock settling]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Under a sustained attention load the H200 sits at its 700 W power cap, and its SM
+# clock depends on the kernel: 1.59-1.89 GHz, cuDNN's kernels 50-200 MHz above
+# jax_fa4's or flash-attn-4's at the same power. After a switch of kernel the clock
+# takes time to move to the new kernel's level, so a burst of 20 calls (3-70 ms)
+# partly runs at the clock the previous implementation left behind; in a fixed
+# alternating order one peer always follows the same other one. `settle` runs each
+# implementation untimed first, so that every timed burst starts at its own clock.
+
+
+def interleaved(calls: Mapping[object, Callable[[], object]], sync: Callable[[object], object],
+                rounds: int = 7, inner: int = 20, warmup: int = 3,
+                clock: Callable[[], float] = time.perf_counter,
+                settle: float = 0.0) -> dict[object, list[float]]:
+    """Seconds per call of each entry of ``calls``, one value per round.
+
+    calls: name -> a function launching one step (asynchronously) and returning its
+    outputs; sync(outputs) waits for the device. Rounds alternate the order (forward,
+    then reversed), so that no entry always runs first or last.
+
+    Each call's outputs are dropped when the next call is launched and only the last
+    call's are synchronised on, as in a training loop and in ``time_calls``: the
+    allocators then recycle the same buffers (keeping every output alive makes each
+    round allocate afresh, and single rounds ran several times slower). One untimed
+    round of ``inner`` calls per entry follows the ``warmup`` calls, so the first
+    timed round starts from the same memory state as the others.
+
+    settle > 0: before each timed burst, untimed bursts of ``inner`` calls of the same
+    entry run until at least ``settle`` seconds have passed (Note [Clock settling]).
+    """
+    if rounds < 1 or inner < 1:
+        raise ValueError("rounds and inner must be positive")
+    for f in calls.values():
+        for _ in range(warmup):
+            sync(f())
+    names = list(calls)
+
+    def run(f):
+        out = None
+        for _ in range(inner):
+            out = f()
+        sync(out)
+
+    for n in names:
+        run(calls[n])
+    times: dict[object, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names if r % 2 == 0 else reversed(names):
+            if settle > 0:
+                t_settle = clock()
+                while True:
+                    run(calls[n])
+                    if clock() - t_settle >= settle:
+                        break
+            t0 = clock()
+            run(calls[n])
+            times[n].append((clock() - t0) / inner)
+    return times
 
 
 MiB = 2.0**20
@@ -146,6 +193,8 @@ def xla_memory(jitted, args) -> dict:
 
 
 def jax_impls(peers):
+    """{name: attention(q, k, v, causal)} of the JAX implementations: jax_fa4 and the
+    peers asked for (det: jax_fa4 with deterministic=True; cudnn; xla)."""
     impls = {
         "jax_fa4": lambda q, k, v, c: jax_fa4.attention(q, k, v, causal=c, implementation="cute")
     }
@@ -158,63 +207,7 @@ def jax_impls(peers):
     if "xla" in peers:
         impls["xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
             q, k, v, is_causal=c, implementation="xla")
-    # jax_fa4 with its backward's PDL chain on / off, and with each query block's
-    # first dQ partial stored / dQaccum zeroed by the preprocess (ENV_OF)
-    for peer in ("pdl", "nopdl", "storefirst", "zerodq", "firstbylen", "fold", "fold3",
-                 "nofold", "dlsezeros", "prerev", "prefwd"):
-        if peer in peers:
-            impls[f"jax_fa4_{peer}"] = impls["jax_fa4"]
     return impls
-
-
-# Implementations that are jax_fa4 lowered under an environment setting, for A/B
-# runs in one process: the setting holds while they are set up, lowered and called.
-ENV_OF = {"jax_fa4_pdl": {"JAX_FA4_PDL": "1"}, "jax_fa4_nopdl": {"JAX_FA4_PDL": "0"},
-          "jax_fa4_storefirst": {"JAX_FA4_DQ_STORE_FIRST": "1"},
-          "jax_fa4_zerodq": {"JAX_FA4_DQ_STORE_FIRST": "0"},
-          # Store first up to 2k query rows, zero and add (two buffers) beyond
-          # (Note [dQ store first by length]); the on / off switch unset.
-          "jax_fa4_firstbylen": {"JAX_FA4_DQ_STORE_FIRST": "",
-                                 "JAX_FA4_DQ_FIRST_MAX_SQ": "2048"},
-          # dQ converted in the main kernel / by the postprocess (Note [dQ fold]).
-          "jax_fa4_fold": {"JAX_FA4_DQ_STORE_FIRST": "", "JAX_FA4_DQ_FIRST_MAX_SQ": "",
-                           "JAX_FA4_DQ_FOLD": "1"},
-          "jax_fa4_fold3": {"JAX_FA4_DQ_STORE_FIRST": "", "JAX_FA4_DQ_FIRST_MAX_SQ": "",
-                            "JAX_FA4_DQ_FOLD": "3"},
-          "jax_fa4_nofold": {"JAX_FA4_DQ_STORE_FIRST": "", "JAX_FA4_DQ_FIRST_MAX_SQ": "",
-                             "JAX_FA4_DQ_FOLD": "0"},
-          # The backward with a zero-filled LSE cotangent, as before the twenty-fifth
-          # session (an XLA zero fill and the preprocess reading it).
-          "jax_fa4_dlsezeros": {"JAX_FA4_DLSE_ZEROS": "1"},
-          # The preprocess and postprocess walking (batch, head) last first (Note
-          # [Pre / post order]; the default since the twenty-sixth session) / in
-          # grid order.
-          "jax_fa4_prerev": {"JAX_FA4_PREPOST_REVERSE": "1"},
-          "jax_fa4_prefwd": {"JAX_FA4_PREPOST_REVERSE": "0"}}
-
-
-def environment(env: dict | None):
-    """``env`` set in os.environ inside the block, the old values restored after."""
-    return mock.patch.dict(os.environ, env or {})
-
-
-def _under(env: dict | None, f: Callable[[], object]) -> Callable[[], object]:
-    """``f`` whose first call (where JAX traces and lowers it) runs under ``env``.
-    Later calls reuse the compiled function and skip the setting: patching
-    os.environ costs about 0.7 ms a call on the H200 host (putenv / unsetenv of every
-    variable on the way out), more than a whole 1k-token forward."""
-    if not env:
-        return f
-    lowered = []
-
-    def call():
-        if lowered:
-            return f()
-        with environment(env):
-            out = f()
-        lowered.append(True)
-        return out
-    return call
 
 
 @dataclass
@@ -233,20 +226,13 @@ class Prepared:
     diff: bool = False
 
 
-def prepare_jax(name, attn, q, k, v, causal, bwd_timing="diff") -> Prepared:
+def prepare_jax(attn, q, k, v, causal, bwd_timing="direct") -> Prepared:
     """A JAX implementation, ready to time (``Prepared``).
 
-    bwd_timing "diff": the backward is the fwd+bwd step's time minus the forward's
-    (the figures in docs/performance.md so far); "direct": the pullback alone,
-    timed on the residuals of one forward (jax.vjp's function is a pytree, so a
-    jitted function takes it as an argument).
+    bwd_timing "direct": the pullback alone, timed on the residuals of one forward
+    (jax.vjp's function is a pytree, so a jitted function takes it as an argument);
+    "diff": the backward is the fwd+bwd step's time minus the forward's.
     """
-    env = ENV_OF.get(name)
-    if env:
-        with environment(env):
-            prep = prepare_jax(None, attn, q, k, v, causal, bwd_timing)
-        # Lowering happens at a function's first call: keep the setting for every call.
-        return dataclasses.replace(prep, fwd=_under(env, prep.fwd), bwd=_under(env, prep.bwd))
     fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal))
     dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
 
@@ -278,24 +264,19 @@ def measure(prep: Prepared, iters: int, reps: int = 5):
 
 # Peers timed after the alternating rounds, on their own (``measure``), not in them.
 # XLA's attention materialises the scores: at 16k its calls run 10-30x longer than
-# the fused kernels' and far below the power cap. In the rounds, whichever
-# implementation followed it started its burst with the power budget XLA left,
-# and the A B C D / D C B A order made that flash-attn-4 (after XLA's backward) and
-# cuDNN (after XLA's forward), never jax_fa4. At hdim 128 16k causal, 12 rounds
-# (eighteenth session): with XLA in them, backward ranges 8-9% and jax_fa4 x
-# flash-attn-4 0.994 (0.960 in that day's 6-round run); without it, ranges 2.6-6.3%
-# and 1.020 (1.017 with 80-call bursts).
+# the fused kernels' and far below the power cap, so whichever implementation
+# followed it in a round started its burst with the power budget XLA left (at hdim
+# 128 16k causal, XLA in the rounds moved jax_fa4's backward ratio to flash-attn-4
+# from 1.020 to 0.994 and doubled the ranges).
 OUTSIDE_ROUNDS = ("xla",)
 
 
 def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: float = 0.0):
     """{name: (fwd seconds, bwd seconds, memory, fwd range, bwd range)} of every
-    implementation of a case, timed in alternating rounds (ab_timing.interleaved,
-    with its `settle` seconds before each timed burst); the seconds are medians
-    over the rounds, the ranges (max - min) / median. The OUTSIDE_ROUNDS peers are
-    timed afterwards on their own and get (fwd seconds, bwd seconds, memory)."""
-    from ab_timing import interleaved
-
+    implementation of a case, timed in alternating rounds (``interleaved``, with its
+    `settle` seconds before each timed burst); the seconds are medians over the
+    rounds, the ranges (max - min) / median. The OUTSIDE_ROUNDS peers are timed
+    afterwards on their own and get (fwd seconds, bwd seconds, memory)."""
     alone = {n: p for n, p in preps.items() if n in OUTSIDE_ROUNDS}
     preps = {n: p for n, p in preps.items() if n not in OUTSIDE_ROUNDS}
     calls = {}
@@ -324,10 +305,10 @@ def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: 
     return out
 
 
-def bench_jax(name, attn, q, k, v, causal, iters, bwd_timing="diff"):
+def bench_jax(attn, q, k, v, causal, iters, bwd_timing="direct"):
     """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of one JAX
     implementation, timed on its own (``prepare_jax``, ``measure``)."""
-    return measure(prepare_jax(name, attn, q, k, v, causal, bwd_timing), iters)
+    return measure(prepare_jax(attn, q, k, v, causal, bwd_timing), iters)
 
 
 def import_fa4_func():
@@ -339,7 +320,7 @@ def import_fa4_func():
     return flash_attn_func
 
 
-def prepare_fa4_torch(q, k, v, causal, bwd_timing="diff") -> Prepared:
+def prepare_fa4_torch(q, k, v, causal, bwd_timing="direct") -> Prepared:
     """flash-attn-4 (PyTorch), ready to time (``Prepared``), with the peak memory
     of one fwd+bwd step.
 
@@ -381,7 +362,7 @@ def prepare_fa4_torch(q, k, v, causal, bwd_timing="diff") -> Prepared:
     return Prepared(fwd, fb, sync, mem, diff=True)
 
 
-def bench_fa4_torch(q, k, v, causal, iters, bwd_timing="diff"):
+def bench_fa4_torch(q, k, v, causal, iters, bwd_timing="direct"):
     """(fwd seconds, bwd seconds, memory of the fwd+bwd step) of flash-attn-4
     (PyTorch), timed on its own (``prepare_fa4_torch``, ``measure``)."""
     return measure(prepare_fa4_torch(q, k, v, causal, bwd_timing), iters)
@@ -403,35 +384,24 @@ def main(argv=None):
     p.add_argument("--cases", default="",
                    help="only these cases, hdim:seqlen:causal joined by commas, "
                         "e.g. 128:4096:0,256:8192:1")
-    p.add_argument("--out", default="docs/benchmarks", help="folder for the CSV and the plot")
+    p.add_argument("--out", default="bench_out",
+                   help="folder for the CSV and the plot (created; default ./bench_out)")
     p.add_argument("--peers", default="fa4,cudnn,xla",
-                   help="comma-separated peers of jax_fa4: fa4 (PyTorch), cudnn, xla, det "
-                        "(jax_fa4 with deterministic=True), pdl / nopdl (jax_fa4 with its "
-                        "backward's kernels launched with / without PDL, JAX_FA4_PDL=1 / 0), "
-                        "storefirst / zerodq (jax_fa4 whose backward stores each query "
-                        "block's first dQ partial / zeroes dQaccum in the preprocess, "
-                        "JAX_FA4_DQ_STORE_FIRST=1 / 0), firstbylen (store first up to 2k "
-                        "query rows, JAX_FA4_DQ_FIRST_MAX_SQ=2048), fold / nofold (dQ "
-                        "converted in the main kernel / by the postprocess, "
-                        "JAX_FA4_DQ_FOLD=1 / 0), fold3 (JAX_FA4_DQ_FOLD=3), dlsezeros "
-                        "(a zero-filled LSE cotangent, JAX_FA4_DLSE_ZEROS=1), prerev / prefwd "
-                        "(the pre- and postprocess over heads last first, the default / in "
-                        "grid order, JAX_FA4_PREPOST_REVERSE=1 / 0)")
+                   help="comma-separated peers of jax_fa4: fa4 (flash-attn-4, PyTorch), "
+                        "cudnn, xla, det (jax_fa4 with deterministic=True)")
     p.add_argument("--iters", type=int, default=20,
-                   help="back-to-back calls per timed rep (5 reps, median)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="> 1: time every implementation of a case in this many alternating "
-                        "rounds of --iters calls (median; ranges in the CSV) instead of "
-                        "one after the other")
+                   help="back-to-back calls per timed burst")
+    p.add_argument("--rounds", type=int, default=6,
+                   help="alternating rounds per case (median; ranges in the CSV); 1: each "
+                        "implementation timed on its own, in turn (median of 5 reps)")
     p.add_argument("--bwd-timing", choices=("diff", "direct"), default="direct",
-                   help="backward time: the backward alone on saved residuals (direct; "
-                        "two H200 runs agreed within 1.5%%), or the fwd+bwd step minus "
-                        "the forward (diff; flash-attn-4's 1k causal row read 321-363)")
+                   help="backward time: the backward alone on saved residuals (direct), or "
+                        "the fwd+bwd step minus the forward (diff)")
     p.add_argument("--settle-ms", type=float, default=None,
-                   help="with --rounds: before each timed burst, run the same implementation "
-                        "untimed for at least this long (default 200; 0: no settling, the "
-                        "method before 2026-11-30), so the burst starts at the clock its own "
-                        "kernel holds at the power cap (ab_timing's Note [Clock settling])")
+                   help="with --rounds > 1: before each timed burst, run the same "
+                        "implementation untimed for at least this long (default 200; 0: no "
+                        "settling), so the burst starts at the clock its own kernel holds at "
+                        "the power cap (Note [Clock settling])")
     args = p.parse_args(argv)
     if args.settle_ms is None:
         args.settle_ms = 200.0 if args.rounds > 1 else 0.0
@@ -476,7 +446,7 @@ def main(argv=None):
                 bwd_range=ranges[1] if ranges else None,
             ))
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    path = os.path.join(args.out, f"h200_{stamp}.csv")
+    path = os.path.join(args.out, f"bench_attention_{stamp}.csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()) if rows else ["impl"])
         w.writeheader()
@@ -484,7 +454,7 @@ def main(argv=None):
         w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
     _print_table(rows)
     print(f"versions: jax {jax.__version__}, python {sys.version.split()[0]}; csv: {path}")
-    _plot(rows, os.path.join(args.out, f"h200_{stamp}.png"))
+    _plot(rows, os.path.join(args.out, f"bench_attention_{stamp}.png"))
     return rows
 
 
@@ -498,7 +468,7 @@ def bench_case(impls, q, k, v, causal, have_fa4, args, i, n_cases):
     for name, attn in impls.items():
         print(f"[{i + 1}/{n_cases}] d={d} s={s} causal={causal}: {name} ...", flush=True)
         try:
-            results[name] = bench_jax(name, attn, q, k, v, causal, args.iters, args.bwd_timing)
+            results[name] = bench_jax(attn, q, k, v, causal, args.iters, args.bwd_timing)
         except Exception as e:  # noqa: BLE001 - report and continue with the others
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
@@ -524,7 +494,7 @@ def bench_case_rounds(impls, q, k, v, causal, have_fa4, args, i, n_cases):
         print(f"[{i + 1}/{n_cases}] d={d} s={s} causal={causal}: {name} (set up) ...",
               flush=True)
         try:
-            preps[name] = prepare_jax(name, attn, q, k, v, causal, args.bwd_timing)
+            preps[name] = prepare_jax(attn, q, k, v, causal, args.bwd_timing)
         except Exception as e:  # noqa: BLE001 - report and continue with the others
             print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     if have_fa4:

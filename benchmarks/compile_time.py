@@ -13,9 +13,9 @@ call. Phases:
   warm   jax_fa4's disk cache filled by an earlier process (a temp folder),
          empty DSL file cache: the normal second run.
   dsl    (opt-in) jax_fa4's disk cache off, the DSL's own file cache filled by
-         an earlier process. With DSL 4.8.1 the JAX bridge's compile path wrote
-         nothing to that cache (seen cross-compiling on a CPU machine), so this
-         should equal cold; the phase checks that on the GPU.
+         an earlier process. With CuTe DSL 4.8.1 the JAX bridge's compile path
+         writes nothing to that cache, so this phase should read as cold; it
+         checks that.
 
 One more process per configuration ("populate", in the CSV only) fills the
 caches; it is a cold fwd+bwd run that also writes them. JAX's own persistent
@@ -34,6 +34,9 @@ Needs an NVIDIA GPU with a jax_fa4 kernel (sm_90a): without one it says so
 and exits 0, measuring nothing (the reference path is no kernel).
 
     python benchmarks/compile_time.py [--out DIR|FILE.csv] [--phases cold,warm[,dsl]]
+        [--hdims 64,128,256]
+
+The CSV goes to --out (default ./bench_out).
 """
 
 from __future__ import annotations
@@ -260,8 +263,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs/benchmarks",
-                   help="folder for compile_time_DATE.csv, or a .csv path")
+    p.add_argument("--out", default="bench_out",
+                   help="folder for compile_time_DATE.csv (default ./bench_out), or a .csv path")
     p.add_argument("--phases", default=",".join(DEFAULT_PHASES),
                    help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--hdims", default="",

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Per-kernel GPU durations of one backward step (plus its forward) of jax_fa4 and
-# flash-attn-4, under Nsight Compute with the clocks and caches left alone
-# (--clock-control none --cache-control none), one metric only, so each kernel runs
-# once at its normal speed. Prints one line per kernel launch (2 warm-up steps, then
-# the one to read).
+# Per-kernel GPU durations of one training step (forward + backward) of jax_fa4 and
+# flash-attn-4 (scripts/profile_step.py), under Nsight Compute with the clocks and
+# caches left alone (--clock-control none --cache-control none) and one metric only,
+# so each kernel runs once at its normal speed. Prints one line per kernel launch
+# (2 warm-up steps, then the one to read).
 #   bash scripts/kernel_times.sh [hdim] [seqlen] [impls] [causal flags]
-# Run on the GPU machine after `. /opt/jax_fa4_site/env.sh`.
+#   e.g. bash scripts/kernel_times.sh 128 1024 "jax_fa4 fa4" "0 1"
 set -uo pipefail
 d=${1:-128}; s=${2:-1024}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
+here=$(cd "$(dirname "$0")" && pwd)
 tmp=$(mktemp -d)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 for impl in $impls; do
@@ -16,7 +17,7 @@ for impl in $impls; do
     tag="${impl}_d${d}_s${s}_c${c}"
     timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --cache-control none \
       --metrics gpu__time_duration.sum --csv --page raw \
-      python scripts/profile_bwd.py --impl "$impl" --hdim "$d" --seqlen "$s" --warmup 2 $flag \
+      python "$here/profile_step.py" --impl "$impl" --hdim "$d" --seqlen "$s" --warmup 2 $flag \
       > "$tmp/$tag.csv" 2> "$tmp/$tag.err" || { echo "$tag: ncu failed"; tail -5 "$tmp/$tag.err"; continue; }
     python - "$tmp/$tag.csv" "$tag" <<'PY'
 import csv, sys

@@ -1,5 +1,5 @@
 """Summarise Nsight Compute source pages (`ncu --page source --print-source sass --csv`,
-as scripts/ncu_bwd.sh writes them): per kernel, warp stall samples by reason and by
+as scripts/ncu.sh writes them): per kernel, warp stall samples by reason and by
 opcode, executed instructions by opcode, instructions with shared-memory conflicts or
 excessive global sectors, and the instructions with the most stall samples.
 

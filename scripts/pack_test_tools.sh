@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Packs pytest-xdist (and execnet) for the GPU machine, which reaches no package
-# index, into .device/testtools.tar.xz (about 0.1 MB). Carry it with part2 and unpack
-# it with install_test_tools below; scripts/device_check.sh then runs the GPU tests
-# in TEST_WORKERS processes (default 4; the device host has 16 cores, and most of a
-# GPU test's time is compiling: XLA's reference and the kernels' first call).
-#   bash scripts/pack_test_tools.sh                     # here, once
-#   carry: [".device/part2.tar.xz", ".device/install.sh", ".device/testtools.tar.xz"]
+# Packs pytest-xdist (and execnet) into .device/testtools.tar.xz (about 0.1 MB), for a
+# GPU machine that reaches no package index. scripts/device_check.sh unpacks it when
+# the file is there and then runs the GPU tests in TEST_WORKERS processes (default 6):
+# most of a GPU test's time is compiling on the host CPU (XLA's reference and the
+# kernels' first call), so the suite scales with the host's cores.
+#   bash scripts/pack_test_tools.sh         # once, on a machine with an index
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 out="$root/.device"; mkdir -p "$out"

@@ -1,13 +1,14 @@
-"""Compile jax_fa4's and flash-attn-4's sm90 forwards on this (CPU) machine and
-compare the SASS of their KV loop steps, without GPU time.
+"""Compile jax_fa4's and flash-attn-4's sm90 forwards on a CPU machine and compare the
+SASS of their KV loop steps, without a GPU.
 
-flash-attn-4's kernel is compiled from the wheel that `../shared/device/pack.sh
---peers` puts in .device/wheels (flash_attn_4 and quack_kernels, unpacked into
---src). Its package imports PyTorch, Triton, tvm_ffi and einops at module level
-for its host-side interface; none of them takes part in compiling the kernel, so
-they are replaced by stand-in modules here. The kernel is built with the options
-flash-attn-4's interface uses on sm90 (2 K/V stages, intra-warpgroup overlap, P
-as the register operand of P V) and compiled against fake tensors of (B, S, 16, D).
+flash-attn-4's kernel is compiled from its wheels in --wheels (flash_attn_4 and
+quack_kernels, e.g. `pip download --no-deps -d .device/wheels flash-attn-4==4.0.0b36
+quack-kernels==0.6.5`), unpacked into --src. Its package imports PyTorch, Triton,
+tvm_ffi and einops at module level for its host-side interface; none of them takes
+part in compiling the kernel, so they are replaced by stand-in modules here. The
+kernel is built with the options flash-attn-4's interface uses on sm90 (2 K/V stages,
+intra-warpgroup overlap, P as the register operand of P V) and compiled against fake
+tensors of (B, S, 16, D).
 
 A step is printed from each S-ready wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) to
 the next HGMMA: its length, its opcode counts and a one-letter string (M MUFU,
@@ -79,7 +80,8 @@ def unpack(wheels: str, src: str) -> None:
             continue
         found = sorted(glob.glob(os.path.join(wheels, pattern)))
         if not found:
-            sys.exit(f"no {pattern} in {wheels}: run ../shared/device/pack.sh --peers")
+            sys.exit(f"no {pattern} in {wheels}: pip download --no-deps -d {wheels} "
+                     "flash-attn-4 quack-kernels")
         with zipfile.ZipFile(found[-1]) as z:
             z.extractall(src)
 

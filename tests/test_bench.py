@@ -1,4 +1,5 @@
-"""CPU checks of the benchmark's JAX timing path (benchmarks/bench_attention.py)."""
+"""CPU checks of the benchmark (benchmarks/bench_attention.py): its JAX timing paths,
+the alternating rounds, the table and where it writes."""
 
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_attention as ba  # noqa: E402
 
 
+def _qkv(shape=(2, 64, 4, 32)):
+    return (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3))
+
+
 @pytest.mark.parametrize("bwd_timing", ["diff", "direct"])
 def test_bench_jax_times_forward_and_backward(bwd_timing):
     """Both backward timings give positive times and the fwd+bwd step's memory;
     "direct" times the pullback on saved residuals (a jitted function of the vjp
     closure), which must run as well as the whole step."""
     attn = ba.jax_impls({"xla"})["xla"]
-    q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, 32), jnp.bfloat16)
-               for i in range(3))
-    t_fwd, t_bwd, mem = ba.bench_jax("xla", attn, q, k, v, True, 2, bwd_timing)
+    q, k, v = _qkv()
+    t_fwd, t_bwd, mem = ba.bench_jax(attn, q, k, v, True, 2, bwd_timing)
     assert 0 < t_fwd < 10 and 0 < t_bwd < 10
     assert mem["temp_mib"] is None or (math.isfinite(mem["temp_mib"]) and mem["temp_mib"] > 0)
 
@@ -32,6 +36,14 @@ def test_flops_counts_causal_half_and_backward_2_5x():
     assert f == 4 * 2 * 4 * 1024**2 * 128
     assert ba.flops(2, 4, 1024, 128, True, "fwd") == f / 2
     assert ba.flops(2, 4, 1024, 128, False, "bwd") == 2.5 * f
+
+
+def test_peers_are_the_real_implementations_only():
+    """jax_fa4 always; cuDNN, XLA and the deterministic backward when asked; nothing
+    else."""
+    assert set(ba.jax_impls(set())) == {"jax_fa4"}
+    assert set(ba.jax_impls({"cudnn", "xla", "det", "fa4"})) == {
+        "jax_fa4", "jax_fa4_det", "cudnn", "xla"}
 
 
 def test_det_peer_is_jax_fa4_with_a_deterministic_backward(monkeypatch):
@@ -45,7 +57,6 @@ def test_det_peer_is_jax_fa4_with_a_deterministic_backward(monkeypatch):
     assert seen == {"causal": True, "implementation": "cute", "deterministic": True}
 
 
-
 def test_cases_option_picks_rows():
     assert ba.parse_cases("128:4096:0,256:8192:1") == [(128, 4096, False), (256, 8192, True)]
     with pytest.raises(ValueError, match="hdim:seqlen:causal"):
@@ -54,30 +65,74 @@ def test_cases_option_picks_rows():
         ba.parse_cases("128:4096:yes")
 
 
+class FakeClock:
+    """A clock that each call of entry `name` advances by cost[name]."""
+
+    def __init__(self, cost):
+        self.now, self.cost, self.log = 0.0, cost, []
+
+    def __call__(self):
+        return self.now
+
+    def call(self, name):
+        def f():
+            self.log.append(name)
+            self.now += self.cost[name]
+            return name
+        return f
+
+
+def test_interleaved_rounds_alternate_the_order_and_time_each_call():
+    clock = FakeClock({"a": 2.0, "b": 1.0, "c": 4.0})
+    calls = {n: clock.call(n) for n in "abc"}
+    synced = []
+    times = ba.interleaved(calls, synced.append, rounds=3, inner=2, warmup=1, clock=clock)
+    assert times == {"a": [2.0] * 3, "b": [1.0] * 3, "c": [4.0] * 3}
+    # warm-up a b c, an untimed round, then rounds a b c | c b a | a b c, two calls each
+    assert "".join(clock.log) == "abc" + "aabbcc" + "aabbcc" + "ccbbaa" + "aabbcc"
+    # one sync per warm-up call, then one per round and entry, on the last call's
+    # outputs only
+    assert synced == list("abc") + list("abc") + list("abc") + list("cba") + list("abc")
+    with pytest.raises(ValueError, match="positive"):
+        ba.interleaved(calls, synced.append, rounds=0)
+
+
+def test_interleaved_settles_each_entry_untimed_before_its_timed_burst():
+    """settle (Note [Clock settling]): before each timed burst, bursts of `inner` calls
+    of the same entry run until `settle` seconds have passed; they are not in the
+    timings, and the order of the rounds is unchanged."""
+    clock = FakeClock({"a": 2.0, "b": 1.0})
+    calls = {n: clock.call(n) for n in "ab"}
+    synced = []
+    times = ba.interleaved(calls, synced.append, rounds=2, inner=2, warmup=1, clock=clock,
+                           settle=5.0)
+    assert times == {"a": [2.0] * 2, "b": [1.0] * 2}
+    # a: bursts of 4 s, so two settle bursts (8 s >= 5) then the timed one;
+    # b: bursts of 2 s, three settle bursts (6 s >= 5) then the timed one.
+    a_round, b_round = "aa" * 3, "bb" * 4
+    assert "".join(clock.log) == "ab" + "aabb" + a_round + b_round + b_round + a_round
+    assert synced == list("ab") + list("ab") + list("aaabbbb") + list("bbbbaaa")
+
+
 @pytest.mark.parametrize("bwd_timing", ["diff", "direct"])
 def test_rounds_time_every_implementation_interleaved(bwd_timing, monkeypatch):
-    """--rounds: every implementation of a case is set up, then timed in alternating
-    rounds; each gets median seconds and its range over the rounds, and the calls
-    of different implementations interleave."""
-    import ab_timing
-
-    impls = {"a": ba.jax_impls({"xla"})["xla"],
-             "b": lambda q, k, v, c: ba.jax_impls({"xla"})["xla"](q, k, v, c) * 1.0}
-    q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, 32), jnp.bfloat16)
-               for i in range(3))
-    preps = {n: ba.prepare_jax(n, f, q, k, v, True, bwd_timing) for n, f in impls.items()}
+    """Every implementation of a case is set up, then timed in alternating rounds;
+    each gets median seconds and its range over the rounds, and the calls of
+    different implementations interleave."""
+    xla = ba.jax_impls({"xla"})["xla"]
+    impls = {"a": xla, "b": lambda q, k, v, c: xla(q, k, v, c) * 1.0}
+    q, k, v = _qkv()
+    preps = {n: ba.prepare_jax(f, q, k, v, True, bwd_timing) for n, f in impls.items()}
     assert all(p.diff == (bwd_timing == "diff") for p in preps.values())
     order = []
-    real = ab_timing.interleaved
+    real = ba.interleaved
 
     def spy(calls, sync, **kw):
         wrapped = {n: (lambda n=n, f=f: order.append(n) or f()) for n, f in calls.items()}
         return real(wrapped, sync, **kw)
 
-    monkeypatch.setattr(ab_timing, "interleaved", spy)
+    monkeypatch.setattr(ba, "interleaved", spy)
     res = ba.measure_rounds(preps, iters=2, rounds=3)
-    with pytest.raises(SystemExit):  # --settle-ms needs --rounds
-        ba.main(["--settle-ms", "50", "--cases", "128:1024:0"])
     assert set(res) == {"a", "b"}
     for t_fwd, t_bwd, mem, r_fwd, r_bwd in res.values():
         assert 0 < t_fwd < 10 and 0 < t_bwd < 10
@@ -122,16 +177,14 @@ def test_table_prints_three_decimal_ratios_and_ranges(capsys):
 
 
 def test_measure_rounds_passes_settle_to_the_rounds(monkeypatch):
-    """--settle-ms reaches ab_timing.interleaved as seconds."""
-    import ab_timing
-
+    """--settle-ms reaches ``interleaved`` as seconds."""
     seen = {}
 
     def fake(calls, sync, **kw):
         seen.update(kw)
         return {n: [1.0, 2.0] for n in calls}
 
-    monkeypatch.setattr(ab_timing, "interleaved", fake)
+    monkeypatch.setattr(ba, "interleaved", fake)
     prep = ba.Prepared(fwd=lambda: 0, bwd=lambda: 0, sync=lambda _: None, mem={})
     res = ba.measure_rounds({"x": prep}, iters=3, rounds=2, settle=0.05)
     assert seen == {"rounds": 2, "inner": 3, "warmup": 1, "settle": 0.05}
@@ -143,8 +196,6 @@ def test_xla_is_timed_after_the_rounds_on_its_own(monkeypatch):
     rounds (its long, low-power calls would hand the next implementation a fresh
     power budget) and is timed afterwards by ``measure``, without ranges; the others
     keep their medians and ranges."""
-    import ab_timing
-
     seen = {}
 
     def fake_rounds(calls, sync, **kw):
@@ -155,7 +206,7 @@ def test_xla_is_timed_after_the_rounds_on_its_own(monkeypatch):
         seen.setdefault("alone", []).append(call())
         return {"xla fwd": 7.0, "xla bwd": 9.0}[call()]
 
-    monkeypatch.setattr(ab_timing, "interleaved", fake_rounds)
+    monkeypatch.setattr(ba, "interleaved", fake_rounds)
     monkeypatch.setattr(ba, "time_calls", fake_time_calls)
     assert ba.OUTSIDE_ROUNDS == ("xla",)
 
@@ -173,75 +224,23 @@ def test_xla_is_timed_after_the_rounds_on_its_own(monkeypatch):
     assert set(res) == {"jax_fa4", "xla", "fa4_torch"}
 
 
-def test_the_nopdl_peer_is_set_up_and_called_with_pdl_off(monkeypatch):
-    """jax_fa4_nopdl (``ENV_OF``): JAX_FA4_PDL=0 holds whenever JAX traces and lowers
-    its functions (at set-up and at each first call), and is restored after."""
-    monkeypatch.delenv("JAX_FA4_PDL", raising=False)
-    seen = []
-    xla = ba.jax_impls({"xla"})["xla"]
-
-    def attn(q, k, v, c):
-        seen.append(os.environ.get("JAX_FA4_PDL"))
-        return xla(q, k, v, c)
-
-    assert {"jax_fa4_pdl", "jax_fa4_nopdl"} <= set(ba.jax_impls({"pdl", "nopdl"}))
-    q, k, v = (jax.random.normal(jax.random.key(i), (1, 32, 2, 32), jnp.bfloat16)
-               for i in range(3))
-    prep = ba.prepare_jax("jax_fa4_nopdl", attn, q, k, v, True, "direct")
-    assert "JAX_FA4_PDL" not in os.environ
-    n_setup = len(seen)
-    prep.sync(prep.fwd())  # the forward is traced at its first call
-    prep.sync(prep.bwd())
-    assert n_setup > 0 and len(seen) > n_setup
-    assert set(seen) == {"0"}, seen
-    assert "JAX_FA4_PDL" not in os.environ
-    # Once compiled, calls neither retrace nor pay for patching the environment.
-    entered, real, n_traced = [], ba.environment, len(seen)
-    monkeypatch.setattr(ba, "environment", lambda env: (entered.append(env), real(env))[1])
-    prep.sync(prep.fwd())
-    prep.sync(prep.bwd())
-    assert entered == [] and len(seen) == n_traced
-    monkeypatch.setenv("JAX_FA4_PDL", "1")
-    with ba.environment({"JAX_FA4_PDL": "0"}):
-        assert os.environ["JAX_FA4_PDL"] == "0"
-    assert os.environ["JAX_FA4_PDL"] == "1"
-
-
-def test_the_store_first_peers_lower_with_the_switch_set():
-    """jax_fa4_storefirst / jax_fa4_zerodq: the same attention, lowered with
-    JAX_FA4_DQ_STORE_FIRST=1 / 0 (the backward that stores each query block's first
-    dQ partial / zeroes dQaccum in its preprocess), for A/B runs in one process."""
-    from jax_fa4.config import DQ_STORE_FIRST_ENV
-
-    impls = ba.jax_impls({"storefirst", "zerodq"})
-    assert impls["jax_fa4_zerodq"] is impls["jax_fa4_storefirst"] is impls["jax_fa4"]
-    assert ba.ENV_OF["jax_fa4_storefirst"] == {DQ_STORE_FIRST_ENV: "1"}
-    assert ba.ENV_OF["jax_fa4_zerodq"] == {DQ_STORE_FIRST_ENV: "0"}
-    assert "jax_fa4_zerodq" not in ba.jax_impls({"pdl", "nopdl"})
-    # Store first by length: the on / off switch is blanked (unset for the kernels).
-    from jax_fa4.config import (
-        DQ_FIRST_MAX_SQ_ENV,
-        dq_first_max_sq_override,
-        dq_store_first_override,
-    )
-
-    impls = ba.jax_impls({"firstbylen"})
-    assert impls["jax_fa4_firstbylen"] is impls["jax_fa4"]
-    with ba.environment(ba.ENV_OF["jax_fa4_firstbylen"]):
-        assert dq_store_first_override("sm_90a", 128) is None
-        assert dq_first_max_sq_override() == 2048 == int(os.environ[DQ_FIRST_MAX_SQ_ENV])
-
-
-def test_the_fold_peers_lower_with_the_switch_set():
-    """jax_fa4_fold / jax_fa4_nofold: the same attention, lowered with
-    JAX_FA4_DQ_FOLD=1 / 0 (dQ converted in the main kernel / by the postprocess,
-    Note [dQ fold]) and the store-first switches blanked, for A/B runs."""
-    from jax_fa4.config import dq_first_max_sq_override, dq_fold_override, dq_store_first_override
-
-    impls = ba.jax_impls({"fold", "nofold"})
-    assert impls["jax_fa4_fold"] is impls["jax_fa4_nofold"] is impls["jax_fa4"]
-    for name, want in (("jax_fa4_fold", True), ("jax_fa4_nofold", False)):
-        with ba.environment(ba.ENV_OF[name]):
-            assert dq_fold_override("sm_90a", 128) == want
-            assert dq_store_first_override("sm_90a", 128) is None
-            assert dq_first_max_sq_override() is None
+def test_main_writes_only_into_its_out_folder(tmp_path, monkeypatch):
+    """main(): the CSV (and the plot, where matplotlib is installed) go to --out, named
+    by the date; nothing is written elsewhere, docs/ least of all. The settle option
+    needs rounds."""
+    with pytest.raises(SystemExit):
+        ba.main(["--rounds", "1", "--settle-ms", "50", "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+    monkeypatch.chdir(tmp_path)
+    fake = {"jax_fa4": (1e-3, 2e-3, {"temp_mib": 1.0, "total_mib": 2.0}, 0.01, 0.02)}
+    monkeypatch.setattr(ba, "bench_case_rounds", lambda *a: fake)
+    rows = ba.main(["--cases", "64:128:1", "--peers", ""])
+    assert [r["impl"] for r in rows] == ["jax_fa4"]
+    assert rows[0]["fwd_tflops"] == pytest.approx(ba.flops(128, 32, 128, 64, True, "fwd") / 1e9)
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")
+                     if p.is_file())
+    assert written and all(p.startswith("bench_out/bench_attention_") for p in written), written
+    assert any(p.endswith(".csv") for p in written)
+    out = tmp_path / "elsewhere"
+    ba.main(["--cases", "64:128:1", "--peers", "", "--out", str(out)])
+    assert sorted(p.suffix for p in out.iterdir()) >= [".csv"]
