@@ -16,7 +16,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # Tests compile kernels afresh: never load binaries an earlier run left in ~/.cache.
-os.environ["JAX_FA4_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_fa4_test_cache_")
+# pytest-xdist workers inherit the controller's fresh folder, so each kernel of a run
+# compiles once, not once per worker.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["JAX_FA4_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_fa4_test_cache_")
 
 
 def _suitable_gpu() -> str | None:
