@@ -16,12 +16,14 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_fa4 import reference
 from jax_fa4.config import (
+    CAUSAL_MODES,
     DETERMINISTIC_BWD_HEAD_DIMS,
     IMPLEMENTATIONS,
     AttentionConfig,
     any_kernel_support_error,
     deterministic_bwd_support_error,
 )
+from jax_fa4.reference import Masks
 from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p, log_once
 
 
@@ -78,6 +80,64 @@ def _resolve_scale(scale, head_dim: int) -> float:
     return scale
 
 
+def _resolve_causal(causal) -> tuple[bool, bool]:
+    """(causal, bottom_right) from False / True / "top_left" / "bottom_right"."""
+    if isinstance(causal, str) and causal in ("top_left", "bottom_right"):
+        return True, causal == "bottom_right"
+    if isinstance(causal, bool):
+        return causal, False
+    raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
+
+
+def _resolve_window(window) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, tuple | list) or len(window) != 2:
+        raise ValueError(f"window must be a (left, right) pair, got {window!r}")
+    sides = []
+    for side in window:
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
+            raise TypeError(f"window sides must be Python ints or None, got {window!r}")
+        if side is not None and side < 0:
+            raise ValueError(f"window sides must be >= 0 (or None: unbounded), got {window!r}")
+        sides.append(side)
+    return None if sides == [None, None] else tuple(sides)
+
+
+def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an int32 array, got {type(x).__name__}")
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    return x
+
+
+def _check_masks(unbatched: bool, b: int, sq: int, sk: int, q_lengths, kv_lengths,
+                 q_segment_ids, kv_segment_ids) -> Masks:
+    """The mask arrays, batched; shapes and dtypes checked."""
+    lead = () if unbatched else (b,)
+    if q_segment_ids is None and kv_segment_ids is not None:
+        raise ValueError("kv_segment_ids given without q_segment_ids")
+    if kv_segment_ids is None and q_segment_ids is not None:
+        if sq != sk:
+            raise ValueError("q_segment_ids alone serves self-attention (Sq == Sk); "
+                             f"got Sq={sq}, Sk={sk}: pass kv_segment_ids too")
+        kv_segment_ids = q_segment_ids
+    arrays = Masks(
+        _check_mask_array("q_lengths", q_lengths, lead),
+        _check_mask_array("kv_lengths", kv_lengths, lead),
+        _check_mask_array("q_segment_ids", q_segment_ids, lead + (sq,)),
+        _check_mask_array("kv_segment_ids", kv_segment_ids, lead + (sk,)),
+    )
+    if unbatched:
+        arrays = Masks(*(None if x is None else x[None] for x in arrays))
+    return arrays
+
+
 def _check_implementation(implementation, dtype, head_dim: int, head_dim_v: int) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -94,27 +154,28 @@ def _check_implementation(implementation, dtype, head_dim: int, head_dim_v: int)
 # zeros, an LSE that nothing downstream uses (return_lse=False, the common case)
 # sends no cotangent: fa4_bwd then takes no dlse operand, so no zero-filled
 # (B, H, Sq) array is written for it and the preprocess reads none.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, config: AttentionConfig):
-    return tuple(fa4_fwd_p.bind(q, k, v, config=config))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, masks: tuple, config: AttentionConfig):
+    return tuple(fa4_fwd_p.bind(q, k, v, *masks, config=config))
 
 
-def _attention_fwd(q, k, v, config):
+def _attention_fwd(q, k, v, masks, config):
     q, k, v = (x.value for x in (q, k, v))  # CustomVJPPrimal (symbolic_zeros)
-    out, lse = fa4_fwd_p.bind(q, k, v, config=config)
-    return (out, lse), (q, k, v, out, lse)
+    masks = tuple(m.value for m in masks)
+    out, lse = fa4_fwd_p.bind(q, k, v, *masks, config=config)
+    return (out, lse), (q, k, v, masks, out, lse)
 
 
 def _attention_bwd(config, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, masks, out, lse = residuals
     dout, dlse = cotangents
     if isinstance(dout, SymbolicZero):  # only the LSE is used
         dout = jnp.zeros(out.shape, out.dtype)
     extra = () if isinstance(dlse, SymbolicZero) else (dlse.astype(jnp.float32),)
     dq, dk, dv = fa4_bwd_p.bind(
-        q, k, v, out, lse, dout.astype(out.dtype), *extra, config=config
+        q, k, v, out, lse, dout.astype(out.dtype), *masks, *extra, config=config
     )
-    return dq, dk, dv
+    return dq, dk, dv, tuple(None for _ in masks)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -126,7 +187,12 @@ def attention(
     value: jax.Array,
     *,
     scale: float | None = None,
-    causal: bool = False,
+    causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -139,8 +205,20 @@ def attention(
       value: ``[B, Sk, Hkv, Dv]``.
       scale: softmax scale, default ``1 / sqrt(D)``; any finite non-zero float (the
         kernels run a negative one as ``-q`` with ``|scale|``).
-      causal: top-left causal mask: query i sees key j iff j <= i (as
-        ``jax.nn.dot_product_attention(is_causal=True)``).
+      causal: False; True or "top_left": query i sees key j iff j <= i (as
+        ``jax.nn.dot_product_attention(is_causal=True)``); "bottom_right": j <= i +
+        Lk - Lq (the KV-cache / chunked-prefill convention, flash-attn's), with each
+        sequence's own lengths Lq, Lk, so its last query meets its last key.
+      window: (left, right): query i sees key j iff i - left <= j <= i + right, on
+        the causal mode's diagonal (shifted by Lk - Lq for "bottom_right"); None
+        for an unbounded side. Combines with ``causal`` (both must hold).
+      q_lengths, kv_lengths: int32 ``[B]``: keys at or past ``kv_lengths[b]`` are
+        masked; query rows at or past ``q_lengths[b]`` give out 0, lse -inf and
+        zero gradients. Values beyond the sequence act as its length.
+      q_segment_ids, kv_segment_ids: int32 ``[B, Sq]`` / ``[B, Sk]``: query i sees
+        key j only where the ids are equal (packed documents). kv_segment_ids
+        defaults to q_segment_ids when Sq == Sk.
+        A query row that sees no key gives out 0, lse -inf, zero gradients.
       return_lse: also return the log-sum-exp of the scaled logits.
       implementation: None = the CuTe DSL kernel where one exists for the
         device, dtype and head dims, else the reference path (logged once);
@@ -168,14 +246,24 @@ def attention(
                 for a in DETERMINISTIC_BWD_HEAD_DIMS]
         if all(errs):
             raise ValueError(f"jax_fa4: implementation='cute' and deterministic=True but {errs[0]}")
-    config = AttentionConfig(
-        scale=_resolve_scale(scale, head_dim), causal=bool(causal), implementation=implementation,
-        deterministic=deterministic,
-    )
+    is_causal, bottom_right = _resolve_causal(causal)
+    window = _resolve_window(window)
     unbatched = query.ndim == 3
+    b = 1 if unbatched else int(query.shape[0])
+    sq, sk = int(query.shape[-3]), int(key.shape[-3])
+    masks = _check_masks(unbatched, b, sq, sk, q_lengths, kv_lengths, q_segment_ids,
+                         kv_segment_ids)
+    if q_lengths is None and kv_lengths is None and sq == sk or not (is_causal or window):
+        bottom_right = False  # the same diagonal either way
+    config = AttentionConfig(
+        scale=_resolve_scale(scale, head_dim), causal=is_causal, implementation=implementation,
+        deterministic=deterministic, bottom_right=bottom_right, window=window,
+        q_lengths=masks.q_lengths is not None, kv_lengths=masks.kv_lengths is not None,
+        segments=masks.q_segment_ids is not None,
+    )
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    out, lse = _attention(query, key, value, config)
+    out, lse = _attention(query, key, value, tuple(x for x in masks if x is not None), config)
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

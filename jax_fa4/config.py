@@ -30,29 +30,64 @@ ARCH_ENV = "JAX_FA4_ARCH"
 DEFAULT_CROSS_ARCH = "sm_90a"
 
 
+CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Static parameters of one attention call.
 
     Attributes:
       scale: the softmax scale applied to q.k.
-      causal: top-left causal masking (query i sees key j iff j <= i).
+      causal: causal masking (query i sees key j iff j <= i + offset).
       implementation: None (kernel where supported, else the logged reference
         path), "cute" (kernel or error) or "reference".
       deterministic: a backward whose gradients are bitwise reproducible (each
         query block's dQ partials are added in a fixed key-block order).
+      bottom_right: the causal / window diagonal's offset is Lk - Lq (each
+        sequence's own lengths), so the last query meets the last key; else 0.
+      window: (left, right) keys on either side of the diagonal, None for an
+        unbounded side; None: no window.
+      q_lengths, kv_lengths, segments: which per-batch mask arrays the primitives
+        take after their other operands, in this order: q_lengths [B],
+        kv_lengths [B], q_segment_ids [B, Sq] and kv_segment_ids [B, Sk].
     """
 
     scale: float
     causal: bool
     implementation: str | None = None
     deterministic: bool = False
+    bottom_right: bool = False
+    window: tuple[int | None, int | None] | None = None
+    q_lengths: bool = False
+    kv_lengths: bool = False
+    segments: bool = False
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
             )
+
+    @property
+    def num_mask_operands(self) -> int:
+        return int(self.q_lengths) + int(self.kv_lengths) + 2 * int(self.segments)
+
+    @property
+    def masked(self) -> bool:
+        """Any mask beyond plain top-left causal."""
+        return bool(self.bottom_right or self.window is not None or self.num_mask_operands)
+
+    def mask_features(self) -> list[str]:
+        """The masks this call uses beyond plain causal, by their argument names."""
+        names = []
+        if self.causal and self.bottom_right:
+            names.append("causal='bottom_right'")
+        for name, on in (("window", self.window is not None), ("q_lengths", self.q_lengths),
+                         ("kv_lengths", self.kv_lengths), ("segment ids", self.segments)):
+            if on:
+                names.append(name)
+        return names
 
 
 @dataclasses.dataclass(frozen=True)

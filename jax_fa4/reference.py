@@ -13,11 +13,24 @@ Two forms of the same function:
 
 Layouts follow ``jax.nn.dot_product_attention``: q ``[B, Sq, Hq, D]``,
 k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]``; lse ``[B, Hq, Sq]`` (natural log).
+
+Masks (``Masks`` for the per-batch arrays, keyword arguments for the rest): query
+i of batch b sees key j iff every one of these holds, with Lq = q_lengths[b] and
+Lk = kv_lengths[b] (Sq, Sk when not given; clamped to them) and the diagonal
+offset off = Lk - Lq for ``bottom_right`` (0 otherwise):
+
+    i < Lq and j < Lk                          (lengths)
+    j <= i + off                               (causal)
+    i + off - left <= j <= i + off + right     (window; a None side is unbounded)
+    q_segment_ids[b, i] == kv_segment_ids[b, j]
+
+A row that sees no key returns out 0 and lse -inf, and gets zero gradients.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +59,43 @@ def _group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
 
 
-def _causal_visible(sq_idx: jax.Array, sk_idx: jax.Array) -> jax.Array:
-    """Top-left causal: query i sees key j iff j <= i."""
-    return sk_idx[None, :] <= sq_idx[:, None]
+class Masks(NamedTuple):
+    """The per-batch mask arrays (int32), each optional."""
+
+    q_lengths: jax.Array | None = None  # [B]
+    kv_lengths: jax.Array | None = None  # [B]
+    q_segment_ids: jax.Array | None = None  # [B, Sq]
+    kv_segment_ids: jax.Array | None = None  # [B, Sk]
+
+
+NO_MASKS = Masks()
+
+
+def visible(q_idx: jax.Array, k_idx: jax.Array, sq: int, sk: int, *, causal: bool = False,
+            bottom_right: bool = False, window: tuple[int | None, int | None] | None = None,
+            masks: Masks = NO_MASKS, kv_segment_block: jax.Array | None = None) -> jax.Array:
+    """Which keys ``k_idx`` each query ``q_idx`` sees: bool ``[B or 1, len(q_idx),
+    len(k_idx)]`` (the module docstring's rule). Key indices at or past ``sk`` (block
+    padding) are never visible. ``kv_segment_block``: the kv segment ids of these keys,
+    ``[B, len(k_idx)]``, when ``k_idx`` is not ``arange(sk)``."""
+    i = q_idx[None, :, None]
+    j = k_idx[None, None, :]
+    lq = sq if masks.q_lengths is None else jnp.clip(masks.q_lengths, 0, sq)[:, None, None]
+    lk = sk if masks.kv_lengths is None else jnp.clip(masks.kv_lengths, 0, sk)[:, None, None]
+    vis = (j < lk) & (i < lq) & (j < sk)
+    diag = i + (lk - lq) if bottom_right else i
+    if causal:
+        vis = vis & (j <= diag)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis = vis & (j >= diag - left)
+        if right is not None:
+            vis = vis & (j <= diag + right)
+    if masks.q_segment_ids is not None:
+        ks = masks.kv_segment_ids if kv_segment_block is None else kv_segment_block
+        vis = vis & (masks.q_segment_ids[:, q_idx, None] == ks[:, None, :])
+    return vis
 
 
 def attention_dense(
@@ -61,11 +108,15 @@ def attention_dense(
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
     compute_dtype=jnp.float32,
+    bottom_right: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    masks: Masks = NO_MASKS,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense reference attention.
 
     Args:
       q: ``[B, Sq, Hq, D]``; k: ``[B, Sk, Hkv, D]``; v: ``[B, Sk, Hkv, Dv]``.
+      causal, bottom_right, window, masks: the masks of the module docstring.
       bias: optional, broadcastable to ``[B, Hq, Sq, Sk]``, added to the scaled logits.
       mask: optional boolean, broadcastable to ``[B, Hq, Sq, Sk]``; False hides a key.
       compute_dtype: the precision of every step (f32 by default; tests use the
@@ -83,17 +134,16 @@ def attention_dense(
     s = s.reshape(b, hq, sq, sk)
     if bias is not None:
         s = s + jnp.broadcast_to(bias, s.shape).astype(compute_dtype)
-    visible = jnp.ones((sq, sk), bool)
-    if causal:
-        visible = _causal_visible(jnp.arange(sq), jnp.arange(sk))
-    visible = jnp.broadcast_to(visible, s.shape)
+    vis = visible(jnp.arange(sq), jnp.arange(sk), sq, sk, causal=causal,
+                  bottom_right=bottom_right, window=window, masks=masks)
+    vis = jnp.broadcast_to(vis[:, None], s.shape)
     if mask is not None:
-        visible = visible & jnp.broadcast_to(mask, s.shape)
+        vis = vis & jnp.broadcast_to(mask, s.shape)
     neg = jnp.finfo(compute_dtype).min
-    s = jnp.where(visible, s, neg)
+    s = jnp.where(vis, s, neg)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - m)
-    p = jnp.where(visible, p, 0)
+    p = jnp.where(vis, p, 0)
     l = jnp.sum(p, axis=-1, keepdims=True)
     safe_l = jnp.where(l == 0, 1, l)
     lse = jnp.where(l[..., 0] == 0, -jnp.inf, (m + jnp.log(safe_l))[..., 0])
@@ -130,6 +180,31 @@ def _key_block_size(sk: int, block_k: int) -> int:
     return min(block_k, sk)
 
 
+def _present(masks: Masks) -> tuple[jax.Array, ...]:
+    return tuple(x for x in masks if x is not None)
+
+
+def _segment_blocks(masks: Masks, bk: int, nblk: int) -> jax.Array:
+    """The kv segment ids in key blocks, [nblk, B, bk] (a dummy [nblk] without them)."""
+    ks = masks.kv_segment_ids
+    if ks is None:
+        return jnp.zeros((nblk,), jnp.int32)
+    ks = jnp.pad(ks, ((0, 0), (0, nblk * bk - ks.shape[1])))
+    return ks.reshape(ks.shape[0], nblk, bk).transpose(1, 0, 2)
+
+
+def _block_visibility(sq, sk, bk, nblk, causal, bottom_right, window, masks: Masks):
+    """j, segment ids of key block j -> visibility [B or 1, Sq, bk] (``visible``)."""
+    q_idx = jnp.arange(sq)
+
+    def vis_of(j, segj):
+        return visible(q_idx, j * bk + jnp.arange(bk), sq, sk, causal=causal,
+                       bottom_right=bottom_right, window=window, masks=masks,
+                       kv_segment_block=None if masks.kv_segment_ids is None else segj)
+
+    return vis_of
+
+
 def attention_blockwise(
     q: jax.Array,
     k: jax.Array,
@@ -139,11 +214,14 @@ def attention_blockwise(
     causal: bool = False,
     block_k: int = 512,
     rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
+    bottom_right: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    masks: Masks = NO_MASKS,
 ) -> tuple[jax.Array, jax.Array]:
     """Online-softmax attention over key blocks; never builds ``[Sq, Sk]``.
 
     ``rescale_threshold`` is the lazy-rescale threshold in log2 units (Note
-    [Lazy rescale]); 0.0 gives classic eager rescaling. Shapes as in
+    [Lazy rescale]); 0.0 gives classic eager rescaling. Shapes and masks as in
     :func:`attention_dense`. Returns ``(out in q.dtype, lse float32)``.
     """
     b, sq, hq, d = q.shape
@@ -156,17 +234,13 @@ def attention_blockwise(
     vb = vp.reshape(b, nblk, bk, hkv, dv).transpose(1, 0, 2, 3, 4)
     # Scores in log2 units: s2 = (q.k) * scale * log2(e).
     qg = _group_queries(q.astype(jnp.float32), hkv) * (scale * LOG2E)
-    q_idx = jnp.arange(sq)
+    vis_of = _block_visibility(sq, sk, bk, nblk, causal, bottom_right, window, masks)
 
     def step(carry, xs):
         o, l, m = carry  # o [B,Hkv,G,Sq,Dv], l/m [B,Hkv,G,Sq]
-        j, kj, vj = xs
-        k_idx = j * bk + jnp.arange(bk)
+        j, kj, vj, segj = xs
         s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kj.astype(jnp.float32))
-        visible = jnp.broadcast_to(k_idx[None, :] < sk, (sq, bk))
-        if causal:
-            visible = visible & _causal_visible(q_idx, k_idx)
-        s = jnp.where(visible, s, -jnp.inf)
+        s = jnp.where(vis_of(j, segj)[:, None, None], s, -jnp.inf)
         m_blk = jnp.max(s, axis=-1)
         m_cand = jnp.maximum(m, m_blk)
         # Lazy rescale: move the max only when it grew by more than the threshold
@@ -185,8 +259,9 @@ def attention_blockwise(
         jnp.zeros((b, hkv, g, sq), jnp.float32),
         jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
     )
-    init = _like_inputs(init, q, k, v)
-    (o, l, m), _ = jax.lax.scan(step, init, (jnp.arange(nblk), kb, vb))
+    init = _like_inputs(init, q, k, v, *_present(masks))
+    (o, l, m), _ = jax.lax.scan(step, init, (jnp.arange(nblk), kb, vb,
+                                             _segment_blocks(masks, bk, nblk)))
     safe_l = jnp.where(l == 0, 1.0, l)
     out = (o / safe_l[..., None]).reshape(b, hq, sq, dv).transpose(0, 2, 1, 3)
     lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(safe_l)) * LN2).reshape(b, hq, sq)
@@ -205,6 +280,9 @@ def attention_bwd_blockwise(
     scale: float,
     causal: bool = False,
     block_k: int = 512,
+    bottom_right: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    masks: Masks = NO_MASKS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of (out, lse) w.r.t. q, k, v, recomputing P per key block.
 
@@ -212,6 +290,7 @@ def attention_bwd_blockwise(
     dP = dO V^T and Dpsum = rowsum(dO * O) - dLSE, dS = P * (dP - Dpsum);
     dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO. The LSE cotangent
     enters through Dpsum (d lse_i / d S_ij = P_ij); ``dlse`` None: it is zero.
+    Masks as in :func:`attention_dense`: a row that sees no key gets P = 0.
 
     Returns ``(dq, dk, dv)`` in the dtypes of q, k, v.
     """
@@ -231,18 +310,17 @@ def attention_bwd_blockwise(
     dpsum = jnp.einsum("bqhgd,bqhgd->bhgq", dog, og)
     if dlse is not None:
         dpsum = dpsum - dlse.astype(jnp.float32).reshape(b, hkv, g, sq)
-    q_idx = jnp.arange(sq)
+    vis_of = _block_visibility(sq, sk, bk, nblk, causal, bottom_right, window, masks)
+    # A row that sees no key has lse -inf: exp(s - lse) is then never taken.
+    lse_g = jnp.where(jnp.isneginf(lse_g), 0.0, lse_g)
 
     def step(dq, xs):
-        j, kj, vj = xs
-        k_idx = j * bk + jnp.arange(bk)
+        j, kj, vj, segj = xs
         kj = kj.astype(jnp.float32)
         vj = vj.astype(jnp.float32)
         s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kj) * scale
-        visible = jnp.broadcast_to(k_idx[None, :] < sk, (sq, bk))
-        if causal:
-            visible = visible & _causal_visible(q_idx, k_idx)
-        p = jnp.where(visible, jnp.exp(s - lse_g[..., None]), 0.0)
+        vis = vis_of(j, segj)[:, None, None]
+        p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lse_g[..., None], 0.0)), 0.0)
         dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vj)
         ds = p * (dp - dpsum[..., None])
         dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj) * scale
@@ -251,8 +329,9 @@ def attention_bwd_blockwise(
         return dq, (dk_j, dv_j)
 
     dq0 = _like_inputs(jnp.zeros((b, sq, hkv, g, d), jnp.float32), q, k, v, out, lse, dout,
-                       *(() if dlse is None else (dlse,)))
-    dq, (dkb, dvb) = jax.lax.scan(step, dq0, (jnp.arange(nblk), kb, vb))
+                       *(() if dlse is None else (dlse,)), *_present(masks))
+    dq, (dkb, dvb) = jax.lax.scan(step, dq0, (jnp.arange(nblk), kb, vb,
+                                              _segment_blocks(masks, bk, nblk)))
     dk = dkb.transpose(1, 0, 2, 3, 4).reshape(b, nblk * bk, hkv, d)[:, :sk]
     dv = dvb.transpose(1, 0, 2, 3, 4).reshape(b, nblk * bk, hkv, dv_)[:, :sk]
     return dq.reshape(b, sq, hq, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -91,8 +91,11 @@ def _aval(shape, dtype, *like):
 
 
 @fa4_fwd_p.def_abstract_eval
-def _fwd_abstract(q, k, v, *, config: AttentionConfig):
-    del config
+def _fwd_abstract(q, k, v, *masks, config: AttentionConfig):
+    # masks: the per-batch mask arrays the config names (AttentionConfig).
+    if len(masks) != config.num_mask_operands:
+        raise TypeError(f"fa4_fwd takes {3 + config.num_mask_operands} operands, "
+                        f"got {3 + len(masks)}")
     b, sq, hq, _ = q.shape
     out = _aval((b, sq, hq, v.shape[-1]), q.dtype, q, k, v)
     lse = _aval((b, hq, sq), jnp.float32, q, k, v)
@@ -100,12 +103,12 @@ def _fwd_abstract(q, k, v, *, config: AttentionConfig):
 
 
 @fa4_bwd_p.def_abstract_eval
-def _bwd_abstract(q, k, v, out, lse, dout, *dlse, config: AttentionConfig):
-    # dlse: LSE's cotangent, or nothing where it is a symbolic zero (api.py).
-    del config
-    if len(dlse) > 1:
-        raise TypeError(f"fa4_bwd takes 6 or 7 operands, got {6 + len(dlse)}")
-    operands = (q, k, v, out, lse, dout, *dlse)
+def _bwd_abstract(q, k, v, out, lse, dout, *rest, config: AttentionConfig):
+    # rest: the mask arrays, then LSE's cotangent unless it is a symbolic zero (api.py).
+    n = 6 + config.num_mask_operands
+    if len(rest) not in (n - 6, n - 5):
+        raise TypeError(f"fa4_bwd takes {n} or {n + 1} operands, got {6 + len(rest)}")
+    operands = (q, k, v, out, lse, dout, *rest)
     return (
         _aval(q.shape, q.dtype, *operands),
         _aval(k.shape, k.dtype, *operands),
@@ -132,7 +135,7 @@ def _unfold(x, size):
 
 def _batch_rule(prim, args, dims, *, config):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if prim is fa4_fwd_p and dims[1] is None and dims[2] is None:
+    if prim is fa4_fwd_p and all(d is None for d in dims[1:]):
         return _fwd_batch_shared_kv(args, dims[0], size, config)
     folded = [_fold(a, d, size) for a, d in zip(args, dims)]
     results = prim.bind(*folded, config=config)
@@ -147,12 +150,12 @@ def _fwd_batch_shared_kv(args, q_dim, size, config):
     size * G, so K and V are read as they are instead of copied `size` times.
     (Forward only: in the backward, per-index dK / dV must not be summed.)
     """
-    q, k, v = args
+    q, k, v, *masks = args  # the masks depend on (batch, query, key) only: shared too
     n, (b, sq, hq, d) = size, q.shape[:q_dim] + q.shape[q_dim + 1 :]
     hkv, g = k.shape[2], hq // k.shape[2]
     q = jnp.moveaxis(q, q_dim, 0).reshape(n, b, sq, hkv, g, d)
     q = q.transpose(1, 2, 3, 0, 4, 5).reshape(b, sq, hkv * n * g, d)
-    out, lse = fa4_fwd_p.bind(q, k, v, config=config)
+    out, lse = fa4_fwd_p.bind(q, k, v, *masks, config=config)
     dv = out.shape[-1]
     out = out.reshape(b, sq, hkv, n, g, dv).transpose(3, 0, 1, 2, 4, 5)
     lse = lse.reshape(b, hkv, n, g, sq).transpose(2, 0, 1, 3, 4)
@@ -167,15 +170,33 @@ batching.primitive_batchers[fa4_bwd_p] = functools.partial(_batch_rule, fa4_bwd_
 # Lowering
 
 
-def _reference_fwd(q, k, v, *, config):
-    return reference.attention_blockwise(q, k, v, scale=config.scale, causal=config.causal)
+def mask_arrays(config: AttentionConfig, operands) -> reference.Masks:
+    """The per-batch mask operands the config names, by name."""
+    it = iter(operands)
+    return reference.Masks(
+        next(it) if config.q_lengths else None,
+        next(it) if config.kv_lengths else None,
+        next(it) if config.segments else None,
+        next(it) if config.segments else None,
+    )
 
 
-def _reference_bwd(q, k, v, out, lse, dout, *dlse, config):
+def _mask_kwargs(config: AttentionConfig, masks) -> dict:
+    return dict(causal=config.causal, bottom_right=config.bottom_right, window=config.window,
+                masks=mask_arrays(config, masks))
+
+
+def _reference_fwd(q, k, v, *masks, config):
+    return reference.attention_blockwise(q, k, v, scale=config.scale,
+                                         **_mask_kwargs(config, masks))
+
+
+def _reference_bwd(q, k, v, out, lse, dout, *rest, config):
+    n = config.num_mask_operands
+    masks, dlse = rest[:n], rest[n:]
     return reference.attention_bwd_blockwise(
         q, k, v, out, lse, dout, dlse[0] if dlse else None, scale=config.scale,
-        causal=config.causal
-    )
+        **_mask_kwargs(config, masks))
 
 
 class KernelUnavailableError(ValueError):
@@ -198,6 +219,8 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     if arch is None:
         return None, f"no kernel for this GPU ({source})"
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
+    if err is None and config.masked:
+        err = f"no kernel takes {', '.join(config.mask_features())} yet"
     if err is None and kind == "bwd" and config.deterministic:
         err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
     if err is None:
@@ -206,10 +229,11 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
 
 
 def _make_lowering(kind, reference_fn, kernel_fn, platform):
-    def lower(ctx, args, fn, **static):
+    def lower(ctx, args, fn, config, **static):
         # The sharding rule wraps only the final computation (sharding.py); a
         # backward without LSE's cotangent has one operand fewer.
-        call = sharding.partitioned(kind if len(args) != 6 else "bwd_no_dlse", fn, **static)
+        dlse = kind == "bwd" and len(args) > 6 + config.num_mask_operands
+        call = sharding.partitioned(kind, config, dlse, fn, config=config, **static)
         return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
     def lowering(ctx, *args, config):

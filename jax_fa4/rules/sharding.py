@@ -21,17 +21,36 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Operands: q [B,S,H,D], k [B,T,K,D], v [B,T,K,E] (+ out, lse, dout, dlse for the backward;
-# dlse left out where LSE's cotangent is a symbolic zero).
-_FWD_RULE = "b s h d, b t k d, b t k e -> b s h e, b h s"
-_BWD_RULE = (
-    "b s h d, b t k d, b t k e, b s h e, b h s, b s h e, b h s -> b s h d, b t k d, b t k e"
-)
-_BWD_NO_DLSE_RULE = (
-    "b s h d, b t k d, b t k e, b s h e, b h s, b s h e -> b s h d, b t k d, b t k e"
-)
+# Operands: q [B,S,H,D], k [B,T,K,D], v [B,T,K,E] (+ out, lse, dout for the backward),
+# then the mask arrays the config names (q / kv lengths [B], q / kv segment ids [B,S] /
+# [B,T]: they shard with the batch), then dlse [B,H,S] unless LSE's cotangent is a
+# symbolic zero. Results: out, lse / dq, dk, dv.
+_QKV = ("b s h d", "b t k d", "b t k e")
+_BWD_EXTRA = ("b s h e", "b h s", "b s h e")
 # In order of first appearance in the rules (the verifier wants them sorted).
 _REPLICATED_FACTORS = ("s", "d", "t", "e")
+
+
+def _mask_factors(config) -> tuple[str, ...]:
+    return (("b",) * config.q_lengths + ("b",) * config.kv_lengths
+            + ("b s", "b t") * config.segments)
+
+
+def _rule(kind: str, config, dlse: bool) -> str:
+    if kind == "fwd":
+        return ", ".join(_QKV + _mask_factors(config)) + " -> b s h e, b h s"
+    args = _QKV + _BWD_EXTRA + _mask_factors(config) + (("b h s",) if dlse else ())
+    return ", ".join(args) + " -> b s h d, b t k d, b t k e"
+
+
+def _specs(kind: str, config, dlse: bool, batch, heads):
+    bshd = P(batch, None, heads, None)
+    bhs = P(batch, heads, None)
+    masks = ((P(batch),) * config.q_lengths + (P(batch),) * config.kv_lengths
+             + (P(batch, None),) * (2 * config.segments))
+    if kind == "fwd":
+        return (bshd, bshd, bshd) + masks, (bshd, bhs)
+    return (bshd,) * 4 + (bhs, bshd) + masks + ((bhs,) if dlse else ()), (bshd,) * 3
 
 
 def _axes_size(mesh, axes) -> int:
@@ -59,22 +78,6 @@ def _plan(mesh, arg_shapes):
         if q.shape[2] % n or k.shape[2] % n:
             heads = None
     return batch, heads
-
-
-def _specs_fwd(batch, heads):
-    bshd = P(batch, None, heads, None)
-    return (bshd, bshd, bshd), (bshd, P(batch, heads, None))
-
-
-def _specs_bwd(batch, heads):
-    bshd = P(batch, None, heads, None)
-    bhs = P(batch, heads, None)
-    return (bshd, bshd, bshd, bshd, bhs, bshd, bhs), (bshd, bshd, bshd)
-
-
-def _specs_bwd_no_dlse(batch, heads):
-    args, outs = _specs_bwd(batch, heads)
-    return args[:6], outs
 
 
 def _make(impl: Callable, specs_fn, rule: str, n_args: int):
@@ -112,19 +115,20 @@ def _make(impl: Callable, specs_fn, rule: str, n_args: int):
 
 
 @functools.cache
-def _partitioned(kind: str, impl: Callable) -> Callable:
-    if kind == "fwd":
-        return _make(impl, _specs_fwd, _FWD_RULE, 3)
-    if kind == "bwd_no_dlse":
-        return _make(impl, _specs_bwd_no_dlse, _BWD_NO_DLSE_RULE, 6)
-    return _make(impl, _specs_bwd, _BWD_RULE, 7)
+def _partitioned(kind: str, config, dlse: bool, impl: Callable) -> Callable:
+    n_args = 3 + config.num_mask_operands if kind == "fwd" else (
+        6 + config.num_mask_operands + dlse)
+    specs_fn = functools.partial(_specs, kind, config, dlse)
+    return _make(impl, specs_fn, _rule(kind, config, dlse), n_args)
 
 
-def partitioned(kind: str, impl: Callable, **static) -> Callable:
-    """``impl(*arrays, **static)`` with the attention sharding rule attached.
+def partitioned(kind: str, mask_config, dlse: bool, impl: Callable, **static) -> Callable:
+    """``impl(*arrays, **static)`` with the attention sharding rule attached, for the
+    operands of ``kind`` ("fwd" / "bwd") that ``mask_config`` (the AttentionConfig) and
+    ``dlse`` name.
 
     ``static`` values must be hashable (the config and the kernel arch).
     """
-    call = _partitioned(kind, impl)
+    call = _partitioned(kind, mask_config, dlse, impl)
     frozen = tuple(sorted(static.items()))
     return lambda *arrays: call(*arrays, frozen)
