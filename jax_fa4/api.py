@@ -269,28 +269,6 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _seq_len_mask(query_seq_lengths, key_value_seq_lengths, sq: int, sk: int):
-    mask = None
-    if query_seq_lengths is not None:
-        mask = (jnp.arange(sq)[None, :] < query_seq_lengths[:, None])[:, None, :, None]
-    if key_value_seq_lengths is not None:
-        kv = (jnp.arange(sk)[None, :] < key_value_seq_lengths[:, None])[:, None, None, :]
-        mask = kv if mask is None else mask & kv
-    return mask
-
-
-def _window_mask(local_window_size, sq: int, sk: int):
-    if isinstance(local_window_size, int):
-        left, right = local_window_size, local_window_size
-    else:
-        left, right = local_window_size
-    if left < 0 or right < 0:
-        raise ValueError(f"local_window_size must be non-negative, got {local_window_size}")
-    i = jnp.arange(sq)[:, None]
-    j = jnp.arange(sk)[None, :]
-    return (j >= i - left) & (j <= i + right)
-
-
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -310,39 +288,37 @@ def dot_product_attention(
 
     Same arguments and semantics (shapes ``[B, T, N, H]`` or ``[T, N, H]``).
     ``implementation`` takes None / "cute" / "reference" ("xla" is read as
-    "reference"). Arguments the kernels cannot take (bias, dense mask,
-    sequence lengths, local windows) run the reference path, logged once;
-    with ``implementation="cute"`` they raise instead. ``return_residual``
-    also returns the log-sum-exp as ``[B, T, N]``, as jax.nn does.
+    "reference"). ``query_seq_lengths``, ``key_value_seq_lengths`` and
+    ``local_window_size`` map onto :func:`attention`'s ``q_lengths``, ``kv_lengths``
+    and ``window`` (top-left diagonal, as jax.nn). A bias or a dense mask runs the
+    dense reference path, logged once; with ``implementation="cute"`` it raises.
+    ``return_residual`` also returns the log-sum-exp as ``[B, T, N]`` in the input
+    dtype without a gradient, as jax.nn does (``attention(return_lse=True)`` gives
+    it in float32, differentiable); a query row that sees no key has -inf there.
     """
     if implementation == "xla":
         implementation = "reference"
     if implementation == "cudnn":
         raise ValueError("jax_fa4.dot_product_attention: use jax.nn for implementation='cudnn'")
-    extras = {
-        "bias": bias,
-        "mask": mask,
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-        "local_window_size": local_window_size,
-    }
-    used = [name for name, val in extras.items() if val is not None]
-    if not used:
-        out = attention(
-            query,
-            key,
-            value,
-            scale=scale,
-            causal=is_causal,
-            return_lse=return_residual,
-            implementation=implementation,
-        )
-        if return_residual:
-            out, lse = out
-            return out, jnp.swapaxes(lse, -1, -2)
-        return out
+    window = local_window_size
+    if isinstance(window, int) and not isinstance(window, bool):
+        window = (window, window)
+    if query.ndim == 3:  # jax.nn takes the lengths of an unbatched call as [1]
+        query_seq_lengths, key_value_seq_lengths = (
+            x.reshape(()) if x is not None and getattr(x, "shape", None) == (1,) else x
+            for x in (query_seq_lengths, key_value_seq_lengths))
+    if bias is None and mask is None:
+        out = attention(query, key, value, scale=scale, causal=bool(is_causal),
+                        window=None if window is None else tuple(window),
+                        q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths,
+                        return_lse=return_residual, implementation=implementation)
+        if not return_residual:
+            return out
+        out, lse = out
+        return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype))
 
     _check_qkv(query, key, value)
+    used = [name for name, val in (("bias", bias), ("mask", mask)) if val is not None]
     if implementation == "cute":
         raise ValueError(
             f"jax_fa4: implementation='cute' cannot take {', '.join(used)}; "
@@ -359,24 +335,22 @@ def dot_product_attention(
         bias = None if bias is None else jnp.asarray(bias)[None] if bias.ndim == 3 else bias
         mask = None if mask is None else jnp.asarray(mask)[None] if mask.ndim == 3 else mask
     sq, sk = query.shape[1], key.shape[1]
-    full_mask = None if mask is None else jnp.asarray(mask).astype(bool)
-    for extra in (
-        _seq_len_mask(query_seq_lengths, key_value_seq_lengths, sq, sk),
-        None if local_window_size is None else _window_mask(local_window_size, sq, sk),
-    ):
-        if extra is not None:
-            full_mask = extra if full_mask is None else full_mask & extra
+    b = query.shape[0]
+    masks = _check_masks(unbatched, b, sq, sk, query_seq_lengths, key_value_seq_lengths,
+                         None, None)
     out, lse = reference.attention_dense(
         query,
         key,
         value,
         scale=_resolve_scale(scale, query.shape[-1]),
-        causal=is_causal,
+        causal=bool(is_causal),
         bias=bias,
-        mask=full_mask,
+        mask=None if mask is None else jnp.asarray(mask).astype(bool),
+        window=_resolve_window(None if window is None else tuple(window)),
+        masks=masks,
     )
     if unbatched:
         out, lse = out[0], lse[0]
     if return_residual:
-        return out, jnp.swapaxes(lse, -1, -2)
+        return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype))
     return out

@@ -8,13 +8,21 @@ Usage::
     linen.MultiHeadDotProductAttention(
         ..., attention_fn=functools.partial(jax_fa4.flax.attention_fn, is_causal=True))
 
-Calls the kernels need nothing the kernel lacks for run on them; a dense mask,
-a bias, active dropout or weight sowing (``module``) run Flax's own
+Static masks (``window``, ``causal="bottom_right"``) bind into ``attention_fn`` with
+``functools.partial``. Flax's attention modules pass no per-batch arrays to their
+``attention_fn``, so for lengths and segment ids use :class:`MultiHeadAttention`
+(nnx) or :class:`MultiHeadDotProductAttention` (linen): Flax's modules with the same
+parameters and initialisation, whose call also takes ``q_lengths``, ``kv_lengths``,
+``q_segment_ids`` and ``kv_segment_ids``.
+
+A dense mask, a bias, active dropout or weight sowing (``module``) run Flax's own
 ``dot_product_attention`` instead, logged once, never silently ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import jax
@@ -41,6 +49,12 @@ def attention_fn(
     is_causal: bool = False,
     implementation: str | None = None,
     deterministic_backward: bool = False,
+    causal: bool | str | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    q_lengths: jax.Array | None = None,
+    kv_lengths: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Flax-compatible attention on jax_fa4.
 
@@ -52,11 +66,20 @@ def attention_fn(
       deterministic_backward: bitwise reproducible gradients
         (``jax_fa4.attention(deterministic=True)``); bind it with
         ``functools.partial``. Flax's own ``deterministic`` only turns dropout off.
+      causal: a causal mode of :func:`jax_fa4.attention` ("top_left",
+        "bottom_right"); overrides ``is_causal`` when given.
+      window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: as in
+        :func:`jax_fa4.attention`, with the batch dims folded into one ``[B]``.
       Other arguments as ``flax.nnx.dot_product_attention``.
 
     Returns:
       ``[batch..., q_len, heads, head_dim_v]``.
     """
+    bound = _bound_masks.get() or {}
+    q_lengths = bound.get("q_lengths", q_lengths)
+    kv_lengths = bound.get("kv_lengths", kv_lengths)
+    q_segment_ids = bound.get("q_segment_ids", q_segment_ids)
+    kv_segment_ids = bound.get("kv_segment_ids", kv_segment_ids)
     dropout_active = dropout_rate > 0.0 and not deterministic
     reasons = [
         name
@@ -73,6 +96,11 @@ def attention_fn(
     elif not query.dtype == key.dtype == value.dtype:
         dt = jnp.result_type(query, key, value)
         query, key, value = (x.astype(dt) for x in (query, key, value))
+    masked = any(x is not None for x in (window, q_lengths, kv_lengths, q_segment_ids,
+                                         kv_segment_ids)) or causal not in (None, False, True)
+    if reasons and masked:
+        raise ValueError("jax_fa4.flax.attention_fn: lengths, segment ids, windows and causal "
+                         f"modes do not combine with {', '.join(reasons)}")
     if reasons:
         if implementation == "cute":
             raise ValueError(f"jax_fa4: implementation='cute' cannot take {', '.join(reasons)}")
@@ -86,11 +114,82 @@ def attention_fn(
         )
     batch_shape = query.shape[:-3]
     fold = lambda x: x.reshape((-1,) + x.shape[-3:])  # noqa: E731
+    fold_ids = lambda x: None if x is None else x.reshape((-1,) + x.shape[-1:])  # noqa: E731
+    fold_lengths = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
     out = attention(
-        fold(query), fold(key), fold(value), causal=is_causal, implementation=implementation,
-        deterministic=deterministic_backward,
+        fold(query), fold(key), fold(value), causal=is_causal if causal is None else causal,
+        window=window, q_lengths=fold_lengths(q_lengths), kv_lengths=fold_lengths(kv_lengths),
+        q_segment_ids=fold_ids(q_segment_ids), kv_segment_ids=fold_ids(kv_segment_ids),
+        implementation=implementation, deterministic=deterministic_backward,
     )
     return out.reshape(batch_shape + out.shape[-3:])
+
+
+# The per-batch mask arrays of the module call in progress (MultiHeadAttention,
+# MultiHeadDotProductAttention), read by attention_fn while it is traced: Flax's
+# modules call their attention_fn with a fixed set of arguments.
+_bound_masks: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jax_fa4_masks",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def _masks_bound(**arrays):
+    token = _bound_masks.set({k: v for k, v in arrays.items() if v is not None})
+    try:
+        yield
+    finally:
+        _bound_masks.reset(token)
+
+
+def _mask_doc(cls):
+    cls.__call__.__doc__ = (
+        f"{cls.__mro__[1].__name__}'s call, plus the per-batch masks of "
+        ":func:`jax_fa4.attention`: ``q_lengths`` / ``kv_lengths`` ``[batch]`` and "
+        "``q_segment_ids`` / ``kv_segment_ids`` ``[batch, length]``, int32.")
+    return cls
+
+
+def _modules():
+    from flax import linen, nnx
+
+    @_mask_doc
+    class MultiHeadAttention(nnx.MultiHeadAttention):
+        """``flax.nnx.MultiHeadAttention`` on jax_fa4, whose call takes lengths and
+        segment ids. Same constructor; ``attention_fn`` defaults to jax_fa4's."""
+
+        def __init__(self, *args, attention_fn=attention_fn, **kwargs):
+            super().__init__(*args, attention_fn=attention_fn, **kwargs)
+
+        def __call__(self, *args, q_lengths=None, kv_lengths=None, q_segment_ids=None,
+                     kv_segment_ids=None, **kwargs):
+            with _masks_bound(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids):
+                return super().__call__(*args, **kwargs)
+
+    @_mask_doc
+    class MultiHeadDotProductAttention(linen.MultiHeadDotProductAttention):
+        """``flax.linen.MultiHeadDotProductAttention`` on jax_fa4, whose call takes
+        lengths and segment ids. Same fields; ``attention_fn`` defaults to jax_fa4's."""
+
+        attention_fn: Any = attention_fn
+
+        def __call__(self, *args, q_lengths=None, kv_lengths=None, q_segment_ids=None,
+                     kv_segment_ids=None, **kwargs):
+            with _masks_bound(q_lengths=q_lengths, kv_lengths=kv_lengths,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids):
+                return super().__call__(*args, **kwargs)
+
+    return MultiHeadAttention, MultiHeadDotProductAttention
+
+
+def __getattr__(name):
+    # Built on first use, so that importing jax_fa4.flax does not import Flax.
+    if name in ("MultiHeadAttention", "MultiHeadDotProductAttention"):
+        mods = dict(zip(("MultiHeadAttention", "MultiHeadDotProductAttention"), _modules(),
+                        strict=True))
+        globals().update(mods)
+        return mods[name]
+    raise AttributeError(name)
 
 
 def _flax_reference(
