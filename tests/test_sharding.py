@@ -120,3 +120,32 @@ def test_sequence_sharded_inputs_are_gathered_not_wrong(mesh):
     out = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, scale=SCALE, causal=True))(q, k, v)
     want = reference.attention_dense(q, k, v, scale=SCALE, causal=True)[0]
     assert max_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, None, "x")])
+def test_masks_shard_with_the_batch(mesh, spec):
+    """Lengths and segment ids follow the batch sharding of q / k / v (replicated
+    under a head sharding): no all-gather, the values and gradients of one device."""
+    from jax.sharding import NamedSharding
+
+    q, k, v = rand_qkv(4, 4, 16, 16, 8, 4, 16, dtype=jnp.float32)
+    kl = jnp.asarray([16, 3, 0, 9], jnp.int32)
+    seg = jnp.asarray([[0] * 5 + [1] * 11, [2] * 16, [0] * 16, [1] * 8 + [2] * 8], jnp.int32)
+    sh = NamedSharding(mesh, spec)
+    batch = NamedSharding(mesh, P(spec[0]))
+    args = [jax.device_put(x, sh) for x in (q, k, v)]
+    args += [jax.device_put(kl, batch), jax.device_put(seg, NamedSharding(mesh, P(spec[0], None)))]
+
+    def loss(q, k, v, kl, seg):
+        out, lse = jax_fa4.attention(q, k, v, scale=SCALE, causal=True, kv_lengths=kl,
+                                     q_segment_ids=seg, return_lse=True)
+        return jnp.sum(out**2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    hlo = grad.lower(*args).compile().as_text()
+    assert "all-gather" not in hlo
+    got = grad(*args)
+    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, kl, seg)
+    for g, w in zip(got, want):
+        assert g.sharding.is_equivalent_to(sh, 4)
+        assert max_err(g, w) < 1e-5
