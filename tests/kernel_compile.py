@@ -66,22 +66,13 @@ def lower_fwd_sm90(dtype, d: int, causal: bool, shape=(2, 113, 203, 8, 2), tiles
     """Lower the sm90 forward (``make_fwd_sm90``) for (B, Sq, Sk, Hq, Hkv) as the
     FFI layer calls it: the causal persistent kernel also takes the int32 tile
     counter after V, aliased to a third output."""
-    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, FlashFwdSm90Split, make_fwd_sm90
+    from jax_fa4.kernels.sm90_fwd import FlashFwdSm90Dynamic, make_fwd_sm90
 
     ins, outs = fwd_structs(*shape, d, dtype)
     aliases = {}
-    kernel = make_fwd_sm90(dtype, d, d, causal, tiles=tiles)
-    if isinstance(kernel, FlashFwdSm90Dynamic):
+    if isinstance(make_fwd_sm90(dtype, d, d, causal, tiles=tiles), FlashFwdSm90Dynamic):
         cnt = jax.ShapeDtypeStruct((1,), jnp.int32)
         ins, outs, aliases = ins + (cnt,), outs + (cnt,), {3: 2}
-    elif isinstance(kernel, FlashFwdSm90Split):
-        # The tail tiles' counters after V (aliased to the last output) and the
-        # parts' O and LSE after out and lse.
-        b, sq, sk, hq, _ = shape
-        counters, part_o, part_lse = (jax.ShapeDtypeStruct(s, t) for s, t in zip(
-            kernel.split_shapes(b, sq, sk, hq), (jnp.int32, jnp.float32, jnp.float32),
-            strict=True))
-        ins, outs, aliases = ins + (counters,), outs + (part_o, part_lse, counters), {3: 4}
     return lower(lambda: make_fwd_sm90(dtype, d, d, causal, tiles=tiles), "sm_90a", ins, outs,
                  aliases=aliases, compile_options=compile_options)
 

@@ -86,7 +86,7 @@ def test_constants_are_float32_exact(exp2):
 
 
 def test_scalar_device_helper_sass(tmp_path):
-    """``exp2_poly`` (the scalar helper Hopper's forward uses) compiled alone for
+    """``exp2_poly`` (the polynomial's steps in scalar PTX) compiled alone for
     sm_90a: no MUFU, one round-down add, the three Horner FFMAs, the flush select,
     and every constant of the module in the SASS (so the PTX immediates are the
     module's values). Its values are checked on the GPU against exp2_poly_numpy

@@ -4,22 +4,21 @@ Three implementations of exactly the same float32 arithmetic live here:
 
 * ``exp2_poly_x2``: the Blackwell device helper, used inside a ``@cute.kernel``
   trace (packed ``f32x2`` FMAs, two values at a time; sm_100 only).
-* ``exp2_poly``: the same steps for one value in scalar PTX, for Hopper, which
-  has no packed f32x2 arithmetic (``Sm90FwdTiles.sw_exp2_per_32``).
+* ``exp2_poly``: the same steps for one value in scalar PTX, for any arch (Hopper
+  has no packed f32x2 arithmetic). No kernel uses it: it runs the arithmetic on a
+  Hopper GPU, against the mirror (tests/test_gpu.py).
 * ``exp2_poly_numpy``: a host mirror in numpy float32, step by step, so the
   error claims below are tested on the CPU (tests/test_exp2_poly.py).
 
-Both read their constants from this module only.
+All three read their constants from this module only.
 
 Note [Software exp2]
 ~~~~~~~~~~~~~~~~~~~~
 On sm_100 the MUFU unit does 16 ex2 per clock per SM, while the FMA pipes do
 128 FMAs per clock. In FA4's forward at head dims <= 128 the softmax warps are
 MUFU-bound, so a fraction of each row's exp2 calls (a per-config knob, 12.5% to
-25%) is computed with FMAs instead and the two units work in parallel. On Hopper
-(``Sm90FwdTiles.sw_exp2_per_32``) it measured slower in proportion to the
-instructions it adds (0.94-0.97x at 12.5%, 0.87-0.91x at 25%): there the softmax is
-bound by issue and latency, so it stays off.
+25%) is computed with FMAs instead and the two units work in parallel. The Hopper
+forward's softmax is bound by issue and latency, not by MUFU, so it uses MUFU only.
 
 The softmax arguments are ``x = s * c - m_ref * c``: at most 0 with a fresh
 row max and at most 8 while the max is stale (Note [Lazy rescale] in

@@ -90,8 +90,8 @@ class TileMask:
 
     def t0_cols(self, n_cols: int) -> list:
         """Thread 0's column of each accumulator column, compile-time ints, evaluated
-        through the layout once per kernel instead of once per element and call
-        (tracing time: docs/performance.md, compile time)."""
+        through the layout once per kernel instead of once per element and call (a
+        layout evaluation is slow to trace)."""
         if self._t0_cols is None:
             self._t0_cols = [self.t0_coord[0, c][1] for c in range(n_cols)]
         return self._t0_cols
@@ -111,7 +111,7 @@ class TileMask:
         mask_seqlen: mask keys >= seqlen_k (only the last KV block needs it).
         mask_causal: mask keys after the query (only diagonal blocks need it).
         when: a run-time Boolean: mask only where it holds (one uniform branch;
-        the sm90 forward's merge_diagonal_loop).
+        the sm90 forward's merged diagonal loop).
         """
         s_mn = acc_mn_view(acc_S)
         col_offset = self.t_coord[0][1]

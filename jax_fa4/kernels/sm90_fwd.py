@@ -8,15 +8,15 @@ counter (causal, ``FlashFwdSm90Dynamic``); see ``Sm90FwdTiles``. Per tile:
 * warpgroup 0 is the producer: its first warp issues TMA loads of the Q tile
   (once) and of K and V tiles through two multi-stage mbarrier pipelines; the
   warpgroup drops to a few registers (setmaxnreg) so the consumers get more.
-* warpgroups 1 and 2 are consumers; each owns 64 rows of the Q tile. Per KV
-  block: S = Q K^T (wgmma, both operands in SMEM), mask, online softmax
-  (exp2, lazy rescale, see softmax.py), P converted to 16 bits in registers,
-  O += P V (wgmma with P as the register A operand, V^T read from SMEM).
+* the other warpgroups (2, or 3 at hdim 64) are consumers; each owns 64 rows of
+  the Q tile. Per KV block: S = Q K^T (wgmma, Q from SMEM or registers), mask,
+  online softmax (exp2, lazy rescale, see softmax.py), P converted to 16 bits in
+  registers, O += P V (wgmma with P as the register A operand, V^T from SMEM).
 * Intra-warpgroup overlap (FA3): the next block's Q K^T is issued before the
   current block's P V finishes, so the tensor cores run while the softmax
-  waits; the two consumer warpgroups also take turns issuing their GEMMs
-  (ping-pong through two named barriers) so that one's softmax overlaps the
-  other's GEMMs.
+  waits; the consumer warpgroups also take turns issuing their GEMMs
+  (ping-pong through named barriers) so that one's softmax overlaps another's
+  GEMMs.
 * Epilogue: O / row_sum in 16 bits goes through SMEM (the Q buffer; its own
   buffer in persistent CTAs) and one TMA store, which clips rows past seqlen_q;
   LSE is stored per row directly.
@@ -53,7 +53,6 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.mask import TileMask
 from jax_fa4.kernels.softmax import (
-    LN_2,
     LOG2_E,
     OnlineSoftmax,
     acc_mn_view,
@@ -74,39 +73,35 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # waits for S_n only, and runs S_n's softmax while the P V wgmma is still in
 # flight; the PTX waits for P V (wgmma.wait_group 0) after the softmax, just
 # before P_n overwrites the registers that wgmma reads. ptxas moves that wait up
-# within its basic block: in the table's kernels it lands after 32 of the 66 exp2s
-# (hdim 128) or after 6-10 of 42 (hdim 256). When a branch joins just before the
-# softmax (merge_diagonal_loop's run-time mask test), the join starts the block and
-# the wait lands before every exp2: P V no longer overlaps the softmax, and the
-# merged loop measured 0.92x (hdim 128) / 0.94x (hdim 64) on the H200.
-# pin_pv_wait ends the block after the exp2s with a branch that is never taken
-# (on a row scale < 0; its body is a warp sync, so LLVM keeps it), and the wait
-# stays below them. On its own it measured level: the P V wgmma is mostly done
-# by the point ptxas picked. At hdim 64 ptxas sinks the exp2s below the branch
-# and the pin has no effect.
+# within its basic block, but not past its start: it lands part way through the
+# exp2s. When a branch joins just before the softmax (the merged diagonal loop's
+# run-time mask test), the join starts the block and the wait lands before every
+# exp2, so P V no longer overlaps the softmax. The merged loop therefore ends the
+# block after the exp2s with a branch that is never taken (on a row scale < 0; its
+# body is a warp sync, so LLVM keeps it), and the wait stays below them.
 
 # Note [K/V multicast]
 # ~~~~~~~~~~~~~~~~~~~~~
-# Non-causal with cluster_m = 2: the grid is launched in clusters of two CTAs
-# along x. A cluster's CTAs take query blocks 2c and 2c + 1 of one head (the
-# persistent walk counts in clusters: unit u is (pair, head, batch), rank r takes
-# block 2 pair + r), so both walk the same K / V blocks in the same order. The
-# load warp of rank r issues rows [r tile_n / 2, (r + 1) tile_n / 2) of each K and
-# V block as a multicast TMA into the same stage of both CTAs; each CTA's full
-# barrier still expects the whole block's bytes (half from each load warp). A
-# stage is free again only when the consumers of both CTAs are done with it: every
-# consumer warp releases it on both CTAs' empty barriers (lane r arrives at rank
-# r), so the empty barrier counts 2 x consumer warps. Q and O stay per CTA; Q's
-# stage is released locally. Causal (one CTA per tile only; the dynamic scheduler
-# hands out single tiles): both load warps walk the key blocks of the cluster's
-# last query block, and a CTA whose own block ends earlier releases the first
-# stages unread (at most 2 at hdim 256's 128 x 80); the launch orders (LPT or per
-# head) run over clusters. Where the head has an odd number of query blocks the
-# last cluster's second CTA runs a block past the end: TMA fills its Q with zeros,
-# the O store is clipped and LSE rows >= seqlen_q are not written. Both CTAs meet
-# at a cluster barrier before they exit, so that no multicast or remote arrive
-# targets a CTA that has left. What it saves: half of the K / V reads from L2 (at
-# hdim 128, 64 KiB of 96 KiB per key block and CTA).
+# With cluster_m = 2 the grid is launched in clusters of two CTAs along x. A
+# cluster's CTAs take query blocks 2c and 2c + 1 of one head (the persistent walk
+# counts in clusters: unit u is (pair, head, batch), rank r takes block 2 pair + r),
+# so both walk the same K / V blocks in the same order. The load warp of rank r
+# issues rows [r tile_n / 2, (r + 1) tile_n / 2) of each K and V block as a
+# multicast TMA into the same stage of both CTAs; each CTA's full barrier still
+# expects the whole block's bytes (half from each load warp). A stage is free again
+# only when the consumers of both CTAs are done with it: every consumer warp
+# releases it on both CTAs' empty barriers (lane r arrives at rank r), so the empty
+# barrier counts 2 x consumer warps. Q and O stay per CTA; Q's stage is released
+# locally. Causal (one CTA per tile only; the dynamic scheduler hands out single
+# tiles): both load warps walk the key blocks of the cluster's last query block,
+# and a CTA whose own block ends earlier releases the first stages unread (at most
+# 2 at hdim 256's 128 x 80); the LPT launch order runs over clusters. Where the head
+# has an odd number of query blocks the last cluster's second CTA runs a block past
+# the end: TMA fills its Q with zeros, the O store is clipped and LSE rows >=
+# seqlen_q are not written. Both CTAs meet at a cluster barrier before they exit, so
+# that no multicast or remote arrive targets a CTA that has left. What it saves:
+# half of the K / V reads from L2 (at hdim 128, 64 KiB of 96 KiB per key block and
+# CTA).
 
 # Note [P conversion in the loop header]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -116,18 +111,12 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # incoming edge, and LLVM's InstCombine folds the conversion through the phi: the
 # loop then carries S's 64 f32 values across the back edge and converts them in
 # the header (visible in the PTX: 32 cvt.rn.bf16x2.f32 right after the header's
-# label). In SASS the 32 F2FPs ran as one block after the lazy rescale's branch,
-# just before the next wgmmas are issued; the s12 profile put 19.6k of 308k stall
-# samples there (flash-attn-4: 7.7k). pin_p routes each 32-bit word of P through
-# an empty inline-asm move (``pin_fragment``), which LLVM cannot fold, so the
-# conversions stay in the step after the exp2s; ptxas then interleaves them with
-# the MUFUs (M a P M a P ...), as in flash-attn-4's step. ptxas also moves the P V
-# wait earlier (after about 12 of the 66 exp2s at hdim 128, instead of about 32).
-# Under the power cap (1 s phases, x the kernel without it, fifteenth session):
-# hdim 128 16k causal 1.022 / 1.023, 1k causal 1.018, 4k non-causal 1.006,
-# 16k non-causal 0.996 / 0.994 (TFLOP/s per GHz 1.007 / 1.009; the clock fell);
-# hdim 64 causal 1.006, non-causal 1.004. The s13 log blamed ptxas for the
-# placement; it was LLVM.
+# label). In SASS the 32 F2FPs then run as one block after the lazy rescale's
+# branch, just before the next wgmmas are issued, where the tensor cores wait for
+# them. pin_p routes each 32-bit word of P through an empty inline-asm move
+# (``pin_fragment``), which LLVM cannot fold, so the conversions stay in the step
+# after the exp2s; ptxas then interleaves them with the MUFUs (M a P M a P ...), as
+# in flash-attn-4's step, and also issues the P V wait earlier.
 
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
@@ -136,152 +125,55 @@ _BAR_SCHED_WG1 = 2  # consumer warpgroup w waits on _BAR_SCHED_WG1 + w
 
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdTiles:
-    """Tuning knobs of the sm90 forward; see ``fwd_tiles``."""
+    """The compile-time shape of the sm90 forward: one row of ``fwd_tiles`` per
+    head dim and mask. Every kernel overlaps a step's softmax with its P V wgmma
+    (intra-warpgroup overlap), has its consumer warpgroups take turns at the tensor
+    cores (ping-pong), and runs causal tiles longest first (``lpt_tile``)."""
 
+    # Query rows per CTA: 64 per consumer warpgroup, 2 or 3 of them.
     tile_m: int
+    # Keys per KV block: S = Q K^T is 64 x tile_n per consumer warpgroup.
     tile_n: int
+    # K / V stages in SMEM.
     num_stages: int
-    num_consumer_wg: int
+    # setmaxnreg: the producer warpgroup drops to producer_regs per thread so that
+    # the consumers get consumer_regs (all of them within the SM's 64K registers).
     consumer_regs: int
     producer_regs: int
-    intra_wg_overlap: bool
-    pingpong: bool
-    # Persistent CTAs (non-causal only, where every tile costs the same): one CTA
-    # per SM walks tiles bid, bid + grid, ...; the load warp fetches the next
-    # tile's Q and K while the consumers finish the current one, and O gets its
-    # own SMEM buffer so its TMA store overlaps the next tile (in the table for
-    # hdim 64 / 128, see ``fwd_tiles``).
+    # One CTA per SM walking tiles (static round robin non-causal; causal tiles, of
+    # unequal cost, from a global counter: ``FlashFwdSm90Dynamic``); the load warp
+    # fetches the next tile's Q and K while the consumers finish the current one,
+    # and O gets its own SMEM buffer so its TMA store overlaps the next tile. Needs
+    # that buffer to fit in SMEM (not at hdim 256).
     persistent: bool = False
-    # Persistent only: O gets its own SMEM buffer (above). False keeps O in the Q
-    # buffer, for hdim 256, where a separate buffer does not fit: Q is then
-    # released only once the tile's O store has read it, so the next tile's Q
-    # load waits for the epilogue (its first K/V loads still overlap it).
-    separate_o: bool = True
-    # Causal only: FA4's longest-processing-time-first tile order (``lpt_tile``),
-    # the launch order of a 1-D grid or, with persistent, the order in which the
-    # dynamic scheduler hands tiles out. Heads are taken in sections of as many
-    # as keep their K and V in L2 (``_L2_BYTES``); within a section the query
-    # blocks go from the last (the most KV blocks) to the first, all heads of
-    # the section per block, so the longest tiles start first and the short
-    # ones fill the tail.
-    lpt: bool = False
-    # Non-causal: leave out the diagonal-block loop, which never runs there, instead
-    # of tracing and compiling it. The non-causal kernel then compiles 15-20%
-    # faster (min of 5 on the CPU machine). In the table at hdim 256 only: that
-    # compile is the one over the 3 s target, and there the change measured 1.02x
-    # flash-attn-4 (1.00 before). At hdim 64 / 128 ptxas schedules the smaller
-    # kernel differently, and one 10-iteration run read 0.95 / 1.00 against 1.00 /
-    # 1.02 before; that is not separated from noise yet (docs/performance.md).
-    prune_diagonal_loop: bool = False
-    # Causal, with intra-warpgroup overlap: one loop over every block after the
-    # first, masking by a run-time test (diagonal blocks only) instead of a
-    # separate loop for the diagonal blocks. The step is traced once instead of
-    # twice: the causal compile took 2.19 s instead of 3.23 at hdim 256, 1.86
-    # instead of 2.14 at 128, 1.28 instead of 1.51 at 64 (min of 4, CPU machine).
-    # Alone it is slower on the H200 (0.92x at hdim 128, 0.94x at 64, 0.99x at
-    # 256): ptxas then issues the P V wait right after the branch, before every
-    # exp2 (Note [P V wait]). With pin_pv_wait it measured level at hdim 256
-    # (0.999x, 9 alternating rounds) and 0.98x at 128. In the table at hdim 256
-    # causal, with pin_pv_wait, for that head dim's compile time.
-    merge_diagonal_loop: bool = False
-    # With intra-warpgroup overlap: keep ptxas from hoisting the wait for the
-    # in-flight P V wgmma above the softmax's exp2s (Note [P V wait]). Level on its
-    # own (0.99-1.005x at hdim 128 / 256, eighth session); needed by
-    # merge_diagonal_loop. No effect at hdim 64, where ptxas sinks the exp2s
-    # below the boundary.
-    pin_pv_wait: bool = False
-    # The consumers release K, V and Q stages from a lane chosen by elect.sync
-    # (``consumer_release_elected``) instead of the pipeline's lane test, which
-    # ptxas recomputes in the loop from an S2R of the thread index (the backward's
-    # Nsight Compute profile put 3.8% of its walk on that read, eleventh session).
-    elect_release: bool = False
-    # With intra-warpgroup overlap: multiply O by the row scales in every step,
-    # not behind the lazy rescale's "all scales 1" branch. The scale stays 1 while
-    # the max lags (Note [Lazy rescale]); what goes is the branch. Without pin_p,
-    # P's F2FP conversions ran as one block of 32 after that branch (8.1k "wait"
-    # samples against flash-attn-4's 0.9k in a 16k non-causal hdim 128 profile,
-    # twelfth session); the cause was LLVM, not the branch (Note [P conversion in
-    # the loop header]). flash-attn-4 rescales in every step. Off: with
-    # it ptxas also hoists the P V wait to the third exp2, and it measured 0.961x /
-    # 0.969x (4k non-causal / causal, 7 rounds), 0.965x / 0.954x (16k, 5) at hdim
-    # 128, 1.004x / 0.971x at hdim 64; with pin_pv_wait 0.90-0.94x.
-    rescale_always: bool = False
-    # The softmax's short max chain (Note [Short max chain]): plain fmax chains
-    # with the old max folded in, and the keep test and reference offset
-    # precomputed a block ahead. Off: 0.946x / 0.982x at hdim 64 8k (7 rounds),
-    # 1.008x at hdim 128 4k causal (7), 0.99x / 1.00x at 16k (single timings);
-    # over the table with quad_fmax (seventeenth session) 0.987 / 0.989 at hdim
-    # 128 16k / 4k non-causal, 0.986 at 16k causal, 0.988 at hdim 64 8k causal.
-    short_softmax_chain: bool = False
-    # FA4's software exp2 (Note [Software exp2] in exp2.py): of every 32 columns
-    # of a row, this many (evenly spread) take P's exp2 from the scalar
-    # polynomial ``exp2_poly`` (10 instructions) on the FMA / ALU pipes instead of
-    # MUFU. 0 = MUFU only, the table's everywhere: on the H200 (thirteenth session)
-    # 4 measured 0.937-0.965x and 8 0.868-0.910x at hdim 64 / 128, both masks. The
-    # Hopper softmax is bound by issue and latency, not by MUFU.
-    sw_exp2_per_32: int = 0
-    # Persistent non-causal: split each tile of the last, partial round of the grid
-    # into 2-4 parts along the keys (``split_tail_parts``), so that the idle CTAs
-    # of that round share its work; the last part of a tile to finish merges the
-    # parts' O and LSE through a workspace (Note [Split tail]). Off: correct on the
-    # H200 (GPU test) but 0.973x at hdim 128 16k and 0.967x at 4k under the power
-    # cap (fourteenth session).
-    split_tail: bool = False
-    # With intra-warpgroup overlap: keep P's conversions in the step that computes
-    # P, among its exp2s, instead of in the loop header (Note [P conversion in the
-    # loop header]). In the table at hdim 64 and 128; at hdim 256 it measured
-    # 0.994x / 1.002x (non-causal / causal, fifteenth session) and stays off.
+    # CTAs per cluster along the query blocks, 1 or 2: with 2 a cluster's CTAs run
+    # adjacent query blocks of one head and share each K / V block through multicast
+    # TMA (Note [K/V multicast]). Not with the dynamic scheduler, which hands out
+    # single tiles.
+    cluster_m: int = 1
+    # Q as the register (A) operand of S = Q K^T: each consumer thread loads its part
+    # of Q from SMEM once per tile (ldmatrix), every S wgmma reads K alone from SMEM,
+    # and with persistent CTAs the Q buffer is free for the next tile at once. Costs
+    # D / 4 registers per thread: 240-register consumers and D <= 128 only.
+    q_in_regs: bool = False
+    # Keep P's conversions to 16 bits in the step that computes P, among its exp2s,
+    # instead of in the loop header (Note [P conversion in the loop header]).
     pin_p: bool = False
     # Causal: mask the diagonal blocks through one 32-bit keep mask per row
-    # (``TileMask(bitmask=True)``, FA4's R2P masking) instead of a compare per
-    # element. In the table at hdim 64 (x without it, hdim 64 8k causal: 1.007,
-    # 1.017 with quad_fmax, 1.014 over the table with quad_fmax; sixteenth and
-    # seventeenth sessions). Off at hdim 128 (1k causal 0.991, 16k causal 0.990).
+    # (``TileMask(bitmask=True)``, R2P) instead of a compare per element.
     mask_bitmask: bool = False
-    # The row max's quad shuffles with fmax (``OnlineSoftmax(quad_fmax=True)``), 8
-    # instructions fewer between the S-ready wait and the first exp2 at hdim 128.
-    # In the table at every head dim (sixteenth session, under the power cap, x
-    # without it): hdim 128 16k non-causal 1.029 / 1.026, 4k non-causal 1.015,
-    # 16k causal 1.007 / 1.008; hdim 64 / 256 level (1.003-1.008); hdim 128 1k
-    # 0.999 causal, 0.987 non-causal.
-    quad_fmax: bool = False
-    # The thread's own columns of a row max-reduced with fmax (FMNMX) in four
-    # chains, the old max folded in before the shuffles (``OnlineSoftmax(row_fmax=
-    # True)``; flash-attn-4's order), instead of the NaN-propagating FMNMX.NAN
-    # chain of ``TensorSSA.reduce``. Off: level on the H200 (seventeenth session,
-    # x the table: hdim 128 16k / 4k non-causal 1.002 / 1.002, 16k causal 0.999,
-    # hdim 64 8k causal 1.008; over q_in_regs 0.987 at 16k and 0.996 at 1k
-    # non-causal).
-    row_fmax: bool = False
-    # P's row sum in this many serial chains (1, 2, 4 or 8) instead of one
-    # (``OnlineSoftmax(row_sum_chains=k)``, Note [Row sum in chains] in
-    # softmax.py): at hdim 64 ptxas then issues a row's first exp2 after 6 of its
-    # exponent FFMAs, not after all 32. The table's at hdim 64 non-causal (k = 2,
-    # x1.010 on the H200, twenty-sixth session); off elsewhere (hdim 64 causal
-    # 0.995; SASS in tests/test_kernels_sm90_fwd_compile.py).
+    # P's row sum in this many serial chains, 0 for one reduction (Note [Row sum in
+    # chains] in softmax.py): it changes where ptxas issues a row's first exp2.
     row_sum_chains: int = 0
-    # Q as the register (A) operand of S = Q K^T: each consumer thread loads its
-    # part of the tile's Q from SMEM once (ldmatrix) after the Q wait, and every
-    # S wgmma reads K alone from SMEM (a fifth less operand traffic from SMEM per
-    # step at hdim 128); with its own O buffer the Q buffer is released at once,
-    # so the next tile's Q loads during this one. Costs D / 4 registers per thread
-    # (32 at hdim 128). In the table at hdim 128 non-causal (D == Dv == 128;
-    # seventeenth session, x without it: 1k 1.031, 4k 1.021, 16k 1.014 / 1.017);
-    # off for causal, where it measured level (1k 1.006, 4k 0.997, 16k 1.002).
-    q_in_regs: bool = False
-    # CTAs in clusters of this many along the query blocks (1 or 2), FA3's choice
-    # at head dims >= 128 non-causal on Hopper; causal only with a CTA per tile
-    # (not the dynamic scheduler). The CTAs of a cluster run
-    # adjacent query blocks of one head in step and share each K / V block: each
-    # loads 1 / cluster_m of its rows and multicasts them into every CTA of the
-    # cluster (Note [K/V multicast]). In the table at hdim 128 / 256 non-causal
-    # (twenty-first session, 1 s phases x 3 under the power cap, x without it:
-    # hdim 128 1k 1.034, 4k 1.011, 16k 1.009, hdim 256 8k 1.017, energy per FLOP
-    # 0.96-0.99); off at hdim 64 (8k: 0.964; 43 query blocks of 192 rows a head,
-    # so every head's last cluster runs one block past the end). In the table at
-    # hdim 256 causal too (a CTA per tile; twenty-second session, same probe: 8k
-    # 1.033, energy per FLOP 0.966); hdim 128 causal keeps its dynamic scheduler.
-    cluster_m: int = 1
+    # Non-causal: leave out the diagonal-block loop, which never runs there, instead
+    # of tracing and compiling it: a smaller kernel that compiles faster, and that
+    # ptxas schedules differently, so the table chooses it per head dim.
+    prune_diagonal_loop: bool = False
+    # Causal: one loop over every block after the first, masking the diagonal blocks
+    # by a run-time test, instead of a loop for them and one for the rest: the step
+    # is traced and compiled once instead of twice. The step then pins the P V wait
+    # below its exp2s (Note [P V wait]).
+    merge_diagonal_loop: bool = False
 
 
 # L2 of an H100 / H200 that the LPT order budgets for K and V (FA4's figure).
@@ -291,8 +183,15 @@ _LPT_MAX_SECTION = 64
 
 
 def lpt_tile(t, num_m, num_heads, num_hb, section, minimum=min):
-    """(m_block, head, batch) of tile t in FA4's LPT order, for plain ints (tests)
-    and DSL integers alike. Tiles t = s * (h_s * num_m) + j * h_s + r, where
+    """(m_block, head, batch) of tile t in FA4's longest-processing-time-first order,
+    the causal forward's launch order (one CTA per tile) or the order in which its
+    dynamic scheduler hands tiles out. Heads are taken in sections of as many as
+    keep their K and V in L2 (``lpt_section_size``); within a section the query
+    blocks go from the last (the most KV blocks) to the first, all heads of the
+    section per block, so the longest tiles start first and the short ones fill the
+    tail. For plain ints (tests) and DSL integers alike.
+
+    Tiles t = s * (h_s * num_m) + j * h_s + r, where
     h_s = min(section, num_hb - s * section) heads are in section s (the last
     holds those left over), run query block num_m - 1 - j of (head, batch) pair
     hb = s * section + r, head fastest."""
@@ -319,156 +218,47 @@ def lpt_section_size(kv_blocks, group, kv_block_bytes: int,
     return section
 
 
-# Note [Split tail]
-# ~~~~~~~~~~~~~~~~~
-# A persistent non-causal grid of G CTAs walks T equal tiles round robin, so its
-# time is ceil(T / G) tiles: hdim 128 has T = 2048 at every row of the benchmark
-# (16k tokens, 16 heads), 15 full rounds of 132 and a last round of 68 tiles that
-# leaves 64 SMs idle, 3% of the kernel. flash-attn-4's one-CTA-per-tile grid has
-# the same tail. With split_tail the R = T mod G tiles of the last round are cut
-# into S parts along the keys (S from 2-4, whichever makes ceil(S R / G) / S,
-# the tail's length in tiles, shortest; none where no S shortens it or a part
-# would get fewer than _SPLIT_MIN_BLOCKS key blocks): R = 68, G = 132 gives
-# S = 3, a tail of 2/3 tile. Every part ends like a tile (O normalised by its own
-# row sums, its LSE), writes both to a workspace in the fragment order of its
-# threads, and counts itself in at the tile's int32 counter (zero at launch); the
-# part that counts in last reads all S, merges them (weights exp(lse_p - lse)),
-# and runs the usual epilogue. One unit order serves the load warp and the
-# consumers: the T - R full tiles first, then part p of tail tile j as unit
-# T - R + j S + p.
-# Measured on the H200 (fourteenth session, 1 s phases at the 700 W power cap,
-# x the table's kernel): 0.973 at 16k tokens, 0.967 at 4k. Two causes: the step
-# has 6 instructions more (422 against 416 from the S wait to the next wgmma),
-# 1-2% per cycle; and the shorter tail raises the average power, so the capped
-# clock drops (1613-1632 against 1637-1649 MHz at 16k). At the cap, the SMs that
-# idle in the last round cost less than their share of the time. Off.
-_SPLIT_MIN_BLOCKS = 4
-
-
-def split_tail_parts(total, grid, n_blocks, select=lambda c, a, b: a if c else b):
-    """S, the parts per tile of the last round (Note [Split tail]); 1: no split.
-    For plain ints (tests, the workspace's size) and DSL integers alike."""
-    rem = total - (total // grid) * grid
-    best, best_cost = 1, 12  # the tail's length in twelfths of a tile
-    for parts in (2, 3, 4):
-        cost = ((parts * rem + grid - 1) // grid) * (12 // parts)
-        cost = select(n_blocks >= _SPLIT_MIN_BLOCKS * parts, cost, 12)
-        cost = select(rem > 0, cost, 12)
-        better = cost < best_cost
-        best = select(better, parts, best)
-        best_cost = select(better, cost, best_cost)
-    return best
-
-
-def split_tail_units(total, grid, parts, select=lambda c, a, b: a if c else b):
-    """(full tiles, units): the tiles before the last round when it is split
-    (all of them when parts == 1), and full + (total - full) * parts."""
-    full = select(parts == 1, total, (total // grid) * grid)
-    return full, full + (total - full) * parts
-
-
-def split_unit(u, full, parts, n_blocks, select=lambda c, a, b: a if c else b,
-               clamp0=lambda x: max(x, 0), zero=0):
-    """(tile, first key block, end key block, is a part, tail unit index) of unit u
-    of the split order (Note [Split tail]): the full tiles, then part p of tail
-    tile j as unit full + j parts + p, with key blocks [p n / parts, (p + 1) n /
-    parts) of the n = n_blocks. For plain ints (tests) and DSL integers alike."""
-    is_part = u >= full
-    v = clamp0(u - full)
-    j = v // parts
-    p = v - j * parts
-    tile = select(is_part, full + j, u)
-    n_lo = select(is_part, p * n_blocks // parts, zero)
-    n_hi = select(is_part, (p + 1) * n_blocks // parts, n_blocks)
-    return tile, n_lo, n_hi, is_part, v
-
-
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
-    """The tile table: hdim 64 192 x 128 (3 consumer WGs), hdim 128 128 x 128,
-    hdim 256 128 x 80 (2 consumer WGs).
+    """The tile table: one row per head dim (D, Dv up to 64, up to 128, or both 256)
+    and mask. Configurations from FA3's Hopper forward; every other choice measured
+    on the H200 (bf16) against the row without it.
 
-    Two consumer warpgroups get 240 registers per thread (24 for the producer:
-    24*128 + 240*256 <= 64K registers); three get 160 (32 for the producer).
-    KV stages: 2 (Q + 2 x (K + V) at hdim 128 is 160 KB of SMEM).
-    Measured on the H200 (2026-11-29, bf16, TFLOP/s non-causal / causal):
-    hdim 128 (B=4 S=4096 H=16): this table 650 / 573 (624 / 591 in a later
-    run where cuDNN also read 5% lower); without intra-warpgroup overlap
-    580 / 512; tile_n 176 (FA3's non-causal choice) 627 / 550, where ptxas
-    serialised the P V wgmma (C7519), so it stays at 128 here. That C7519 came
-    from P's element-wise 16-bit conversion (88 elements), fixed since in
-    ``convert_to_operand_a``. Re-timed C75xx-free (eleventh session): with the
-    persistent kernel it fits only with O in the Q buffer, and measured 0.94x (4k)
-    and 0.99x (16k) against this table (O in the Q buffer alone: 0.98x / 0.995x).
-    hdim 64 (B=2 S=8192 H=32): 192 x 128 with 3 consumer WGs 518 / 480 against
-    445 / 435 for 128 x 128 with 2 (cuDNN 454 / 418 in the same run).
-
-    Head dim 256 (D == Dv; 129..255 are not supported): FA3's Hopper choice,
-    128 x 80 with 2 stages. SMEM: Q 64 KiB (reused by O) + K and V 2 x 40 KiB
-    each, plus barriers and 1 KiB alignment = 230400 of the 232448 bytes
-    (227 KiB) a CTA may use. The O accumulator is 128 fp32 registers per
-    consumer thread (64 x 256 per warpgroup).
-
-    Tile order (2026-11-29, kernel alone, each against the previous default in one
-    process, TFLOP/s): persistent CTAs for hdim 64 / 128; hdim 256 does not fit
-    a separate O buffer. Non-causal (static round robin): hdim 128 1k 525 -> 623,
-    4k 624 -> 688, 16k 646 -> 664; hdim 64 8k 514 -> 529. Causal (dynamic
-    scheduler, FlashFwdSm90Dynamic) in the LPT order: hdim 128 1k 399 -> 468,
-    4k 601 -> 653, 16k 655 -> 647; hdim 64 8k 505 -> 530 (per-head order instead:
-    439 / 597 / 605 and 494). Causal hdim 256 (one CTA per tile) in the LPT order:
-    665 -> 747. A non-persistent grid in the LPT order measured 3-4% slower than
-    per-head longest-first at hdim 128 and 3% faster at hdim 64.
-
-    Softmax and operand knobs (see the Sm90FwdTiles fields for the figures): P's
-    conversions pinned (pin_p) at hdim 64 / 128, the quad shuffles' plain fmax
-    (quad_fmax) everywhere, the keep-bitmask causal mask at hdim 64, and Q as the
-    register operand of S = Q K^T (q_in_regs) at hdim 128 non-causal; K / V
-    multicast in clusters of two CTAs (cluster_m) at hdim 128 / 256 non-causal and
-    hdim 256 causal.
+    Register budgets: 2 consumer warpgroups of 240 and a producer of 24 (24 x 128 +
+    240 x 256 <= 64K registers a CTA), or 3 of 160 and 32.
     """
     d = max(head_dim, head_dim_v)
     if d <= 64:
+        # 192 x 128 with 3 consumer warpgroups: faster than 128 x 128 with 2. No K/V
+        # multicast: slower here (a head's last cluster often runs a block past the end).
         return Sm90FwdTiles(
-            tile_m=192,
-            tile_n=128,
-            num_stages=2,
-            num_consumer_wg=3,
-            consumer_regs=160,
-            producer_regs=32,
-            intra_wg_overlap=True,
-            pingpong=True,
+            tile_m=192, tile_n=128, num_stages=2, consumer_regs=160, producer_regs=32,
             persistent=True,
-            lpt=causal,
             pin_p=True,
-            quad_fmax=True,
-            mask_bitmask=causal,
-            row_sum_chains=0 if causal else 2,
+            mask_bitmask=causal,  # faster causal at hdim 64 (not at 128)
+            row_sum_chains=0 if causal else 2,  # faster non-causal, slower causal
         )
     if d <= 128:
-        tile_n = 128
-    elif head_dim == head_dim_v == 256:
-        tile_n = 80
-    else:
-        raise ValueError(
-            f"sm90 forward supports head dims up to 128 and 256, got {head_dim}, {head_dim_v}"
+        # tile_n 128, not FA3's 176 non-causal, which needs O in the Q buffer: slower.
+        return Sm90FwdTiles(
+            tile_m=128, tile_n=128, num_stages=2, consumer_regs=240, producer_regs=24,
+            persistent=True,
+            cluster_m=1 if causal else 2,  # K/V multicast: faster non-causal
+            q_in_regs=not causal and head_dim == head_dim_v == 128,  # faster; level causal
+            pin_p=True,
         )
-    return Sm90FwdTiles(
-        tile_m=128,
-        tile_n=tile_n,
-        num_stages=2,
-        num_consumer_wg=2,
-        consumer_regs=240,
-        producer_regs=24,
-        intra_wg_overlap=True,
-        pingpong=True,
-        persistent=d <= 128,
-        lpt=causal,
-        prune_diagonal_loop=d > 128,
-        merge_diagonal_loop=causal and d > 128,
-        pin_pv_wait=causal and d > 128,
-        pin_p=d <= 128,
-        quad_fmax=True,
-        q_in_regs=not causal and head_dim == head_dim_v == 128,
-        cluster_m=2 if not causal or d > 128 else 1,
+    if head_dim == head_dim_v == 256:
+        # FA3's 128 x 80 with 2 stages: Q 64 KiB (O reuses it) and 2 x 40 KiB each of
+        # K and V use 230400 of the 232448 bytes of SMEM a CTA may have, so no
+        # persistent CTAs (no room for O's own buffer). P's conversions unpinned:
+        # level here.
+        return Sm90FwdTiles(
+            tile_m=128, tile_n=80, num_stages=2, consumer_regs=240, producer_regs=24,
+            cluster_m=2,  # K/V multicast: faster, both masks
+            prune_diagonal_loop=True,  # the largest compile; level on the H200
+            merge_diagonal_loop=causal,  # compile time too; level on the H200
+        )
+    raise ValueError(
+        f"sm90 forward supports head dims up to 128 and 256, got {head_dim}, {head_dim_v}"
     )
 
 
@@ -519,18 +309,12 @@ class FlashFwdSm90:
         128 x 80) tested on the H200).
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
-    tiles: override the tile table (``fwd_tiles``) for experiments.
+    tiles: override the tile table (``fwd_tiles``), for tuning.
     """
 
-    def __init__(
-        self,
-        dtype: Any,
-        head_dim: int,
-        head_dim_v: int | None = None,
-        causal: bool = False,
-        softmax_scale: float | None = None,
-        tiles: Sm90FwdTiles | None = None,
-    ):
+    def __init__(self, dtype: Any, head_dim: int, head_dim_v: int | None = None,
+                 causal: bool = False, softmax_scale: float | None = None,
+                 tiles: Sm90FwdTiles | None = None):
         self.dtype = as_cutlass_dtype(dtype, "sm90 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -544,48 +328,32 @@ class FlashFwdSm90:
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
         t = self.tiles
         self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
-        if self.tile_m != 64 * t.num_consumer_wg:
-            raise ValueError("tile_m must be 64 rows per consumer warpgroup")
-        self.num_threads = _THREADS_PER_WG * (1 + t.num_consumer_wg)
-        self.num_mma_threads = _THREADS_PER_WG * t.num_consumer_wg
-        self.pingpong = t.pingpong and t.num_consumer_wg >= 2
+        if self.tile_m not in (128, 192):
+            # Ping-pong takes turns between two or more consumer warpgroups.
+            raise ValueError(f"tile_m must be 128 or 192 (64 rows per consumer "
+                             f"warpgroup, 2 or 3 of them), got {self.tile_m}")
+        self.num_consumer_wg = self.tile_m // 64
+        self.num_threads = _THREADS_PER_WG * (1 + self.num_consumer_wg)
+        self.num_mma_threads = _THREADS_PER_WG * self.num_consumer_wg
         self.persistent = t.persistent
         # Causal tiles differ in cost: persistent CTAs take them from a global
         # counter (the call's extra operand, see FlashFwdSm90Dynamic).
         self.dynamic = self.persistent and causal
-        # O in its own SMEM buffer (persistent), else in the Q buffer.
-        self.own_o = self.persistent and t.separate_o
         self.num_sms = sm_count() if self.persistent else 0
-        # The split last round (Note [Split tail]); the call then takes the tail
-        # tiles' counters and the parts' workspace (FlashFwdSm90Split).
-        self.split = self.persistent and not causal and t.split_tail
-        if t.split_tail and not self.split:
-            raise ValueError("split_tail serves the persistent non-causal forward only")
-        if t.lpt and not causal:
-            raise ValueError("the LPT tile order serves the causal forward only")
         self.cluster_m = t.cluster_m
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.cluster_m > 1 and (self.dynamic or self.split or t.elect_release
-                                   or (t.tile_n // 2) % 8):
-            # The dynamic scheduler hands causal tiles out one by one; the split
-            # tail's parts differ in length.
+        if self.cluster_m > 1 and (self.dynamic or (t.tile_n // 2) % 8):
             raise ValueError("K/V multicast (cluster_m 2) serves the non-causal forward "
-                             "and the causal one with a CTA per tile, without split_tail "
-                             "or elect_release, with tile_n a multiple of 16")
+                             "and the causal one with a CTA per tile, with tile_n a "
+                             "multiple of 16")
         if t.q_in_regs and not (head_dim <= 128 and t.consumer_regs >= 240):
             # hdim 64's 160-register consumers spill with it; at 256 Q alone would
             # take 128 registers per thread.
             raise ValueError("q_in_regs serves head dims up to 128 with 240-register "
                              f"consumers, got head dim {head_dim}, {t.consumer_regs}")
-        logger.debug(
-            "FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s",
-            self.dtype,
-            self.head_dim,
-            self.head_dim_v,
-            causal,
-            t,
-        )
+        logger.debug("FlashFwdSm90 %s D=%d Dv=%d causal=%s tiles=%s", self.dtype,
+                     self.head_dim, self.head_dim_v, causal, t)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -598,24 +366,16 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # (B, Sq, Hq, Dv)
         mLSE: cute.Tensor,  # (B, Hq, Sq) f32
     ):
-        if cutlass.const_expr(self.dynamic or self.split):
-            raise TypeError("the causal persistent forward takes a tile counter, the split "
-                            "tail its workspace: call FlashFwdSm90Dynamic or "
-                            "FlashFwdSm90Split (see make_fwd_sm90)")
+        if cutlass.const_expr(self.dynamic):
+            raise TypeError("the causal persistent forward takes a tile counter: call "
+                            "FlashFwdSm90Dynamic (see make_fwd_sm90)")
         self.launch(stream, mQ, mK, mV, mO, mLSE, None)
 
     @cute.jit
-    def launch(
-        self,
-        stream: cuda.CUstream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
-        mTileCounter: cute.Tensor | None,  # (1,) int32, zero at launch (dynamic only)
-        split_ws: tuple | None = None,  # (counters, part O, part LSE): FlashFwdSm90Split
-    ):
+    def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None):
+        """The host side of both calls: the tensors as ``__call__`` takes them, and
+        the dynamic scheduler's (1,) int32 tile counter (zero at launch) or None."""
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -626,29 +386,19 @@ class FlashFwdSm90:
         mLSE = permute(mLSE, [2, 1, 0])
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        atom_layout = (self.tiles.num_consumer_wg, 1, 1)
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=atom_layout,
-            tiler_mn=(64, tn),
-            a_source=(warpgroup.OperandSource.RMEM if self.tiles.q_in_regs
-                      else warpgroup.OperandSource.SMEM),
-        )
+        major = cute.nvgpu.OperandMajorMode
+
+        def tiled_mma(b_major, n, a_source):
+            # One 64 x n wgmma atom per consumer warpgroup, A K-major, f32 accumulator.
+            return sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, major.K, b_major, Float32,
+                atom_layout_mnk=(self.num_consumer_wg, 1, 1), tiler_mn=(64, n),
+                a_source=a_source)
+
+        tiled_mma_qk = tiled_mma(major.K, tn, warpgroup.OperandSource.RMEM
+                                 if self.tiles.q_in_regs else warpgroup.OperandSource.SMEM)
         # B = V^T (dv, n) is MN-major in SMEM (V rows are dv-contiguous).
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=atom_layout,
-            tiler_mn=(64, dv),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        tiled_mma_pv = tiled_mma(major.MN, dv, warpgroup.OperandSource.RMEM)
 
         sQ_layout = sm90_smem_layout(self.dtype, tm, d)
         sK_layout = sm90_smem_layout(self.dtype, tn, d, self.num_stages)
@@ -675,7 +425,7 @@ class FlashFwdSm90:
         # O reuses the Q buffer (Q is dead once the last S = Q K^T finished), except
         # in persistent CTAs, where the next tile's Q loads while O is stored.
         q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
-        o_elems = cute.cosize(sO_layout) if cutlass.const_expr(self.own_o) else 0
+        o_elems = cute.cosize(sO_layout) if cutlass.const_expr(self.persistent) else 0
 
         @cute.struct
         class SharedStorage:
@@ -689,8 +439,6 @@ class FlashFwdSm90:
             # Dynamic scheduler: a 2-slot ring of tile indices, producer -> consumers.
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4 if self.dynamic else 0]
             sched: cute.struct.MemRange[Int32, 2 if self.dynamic else 0]
-            # Split tail: a part's count at its tile's counter, for every consumer.
-            split_flag: cute.struct.MemRange[Int32, 1 if self.split else 0]
 
         smem_bytes = SharedStorage.size_in_bytes()
         if cutlass.const_expr(smem_bytes > _SM90_MAX_SMEM_BYTES):
@@ -704,9 +452,9 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.persistent):
             total = grid[0] * grid[1] * grid[2] // c
             grid = (cutlass.min(total, self.num_sms // c) * c, 1, 1)
-        if cutlass.const_expr(self.tiles.lpt and not self.persistent):
+        if cutlass.const_expr(self.causal and not self.persistent):
+            # The LPT order over a 1-D grid (``block_coord``).
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
-        mCount, mPartO, mPartLSE = split_ws if cutlass.const_expr(self.split) else (None,) * 3
         self.kernel(
             tma_Q,
             tma_K,
@@ -714,9 +462,6 @@ class FlashFwdSm90:
             tma_O,
             mLSE,
             mTileCounter,
-            mCount,
-            mPartO,
-            mPartLSE,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -741,9 +486,6 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B) f32
         mTileCounter: cute.Tensor | None,  # (1,) int32 (dynamic scheduler only)
-        mCount: cute.Tensor | None,  # (tail tiles,) int32, zero at launch (split only)
-        mPartO: cute.Tensor | None,  # (tail units, Dv / 2, consumer threads) f32
-        mPartLSE: cute.Tensor | None,  # (tail units, 2, consumer threads) f32
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -816,12 +558,12 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        if cutlass.const_expr(self.own_o):
+        if cutlass.const_expr(self.persistent):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        # Non-persistent: this CTA's one tile, computed where the kernel always did.
+        # Non-persistent: this CTA's one tile (persistent CTAs leave it unused).
         m_block, head, batch = self.block_coord(mQ, mK)
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -847,24 +589,14 @@ class FlashFwdSm90:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.tiles.producer_regs)
+            # What every tile's ``load`` takes before the pipeline states.
+            load_ops = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q,
+                        pipe_k, pipe_v)
             if warp_idx == 0:
                 if cutlass.const_expr(self.dynamic):
                     self.load_dynamic(
-                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipe_q, pipe_k, pipe_v, q_prod, kv_prod, pipe_sched,
+                        load_ops, q_prod, kv_prod, pipe_sched,
                         storage.sched.get_tensor(cute.make_layout(2)), mTileCounter)
-                elif cutlass.const_expr(self.split):
-                    num_m, total = self.tile_count(mQ)
-                    nb = cute.ceil_div(seqlen_k, self.tile_n)
-                    full, units, parts = self.split_plan(total, nb)
-                    for u in cutlass.range(cute.arch.block_idx()[0], units,
-                                           cute.arch.grid_dim()[0], unroll=1):
-                        t, n_lo, n_hi, _, _ = self.split_unit(u, full, parts, nb)
-                        t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
-                        q_prod, kv_prod = self.load(
-                            mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                            pipe_q, pipe_k, pipe_v, q_prod, kv_prod, t_m, t_head,
-                            t_head // group, t_batch, n_hi, n_lo=n_lo)
                 elif cutlass.const_expr(self.persistent):
                     num_m, total = self.tile_count(mQ)
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
@@ -872,69 +604,48 @@ class FlashFwdSm90:
                         t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
                         t_m = self.cta_block(t_m)
                         q_prod, kv_prod = self.load(
-                            mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                            pipe_q, pipe_k, pipe_v, q_prod, kv_prod, t_m, t_head,
-                            t_head // group, t_batch, cute.ceil_div(seqlen_k, self.tile_n))
+                            *load_ops, q_prod, kv_prod, t_m, t_head, t_head // group, t_batch,
+                            cute.ceil_div(seqlen_k, self.tile_n))
                 else:
-                    self.load(
-                        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        pipe_q, pipe_k, pipe_v, q_prod, kv_prod, m_block, head, head_kv,
-                        batch, n_load)
+                    self.load(*load_ops, q_prod, kv_prod, m_block, head, head_kv, batch,
+                              n_load)
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
+            # What every tile's ``consume`` takes before the pipeline states.
+            consume_ops = (mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                           pipe_q, pipe_k, pipe_v)
             if cutlass.const_expr(self.persistent):
                 # Warpgroup 1 takes the first GEMM turn (ping-pong); the turns then
-                # alternate through every tile. (A compile-time and a run-time test
-                # cannot share one `if` in the DSL.)
-                if cutlass.const_expr(self.pingpong):  # noqa: SIM102
-                    if warp_idx // 4 == 1:
-                        cute.arch.barrier_arrive(
-                            barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
-                        )
+                # alternate through every tile.
+                if warp_idx // 4 == 1:
+                    cute.arch.barrier_arrive(
+                        barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
+                    )
                 num_m, total = self.tile_count(mQ)
                 if cutlass.const_expr(self.dynamic):
                     sched = storage.sched.get_tensor(cute.make_layout(2))
                     s_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
                     t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                     while t < total:
-                        t_m, t_head, t_batch = self.causal_coord(t, mQ, mK)
+                        t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK)
                         q_cons, kv_cons = self.consume(
-                            mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                            pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
-                            seqlen_q, seqlen_k, self.n_block_max(t_m, seqlen_k),
-                            first_turn=False)
+                            *consume_ops, q_cons, kv_cons, t_m, t_head, t_batch, seqlen_q,
+                            seqlen_k, self.n_block_max(t_m, seqlen_k), first_turn=False)
                         t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
-                elif cutlass.const_expr(self.split):
-                    nb = cute.ceil_div(seqlen_k, self.tile_n)
-                    full, units, parts = self.split_plan(total, nb)
-                    flag = storage.split_flag.get_tensor(cute.make_layout(1))
-                    for u in cutlass.range(cute.arch.block_idx()[0], units,
-                                           cute.arch.grid_dim()[0], unroll=1):
-                        t, n_lo, n_hi, is_part, v = self.split_unit(u, full, parts, nb)
-                        t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
-                        q_cons, kv_cons = self.consume(
-                            mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                            pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
-                            seqlen_q, seqlen_k, n_hi, first_turn=False, n_lo=n_lo,
-                            part=(mCount, mPartO, mPartLSE, flag, is_part, v, parts))
                 else:
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
                                            unroll=1):
                         t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
                         t_m = self.cta_block(t_m)
                         q_cons, kv_cons = self.consume(
-                            mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                            pipe_q, pipe_k, pipe_v, q_cons, kv_cons, t_m, t_head, t_batch,
-                            seqlen_q, seqlen_k, cute.ceil_div(seqlen_k, self.tile_n),
-                            first_turn=False)
+                            *consume_ops, q_cons, kv_cons, t_m, t_head, t_batch, seqlen_q,
+                            seqlen_k, cute.ceil_div(seqlen_k, self.tile_n), first_turn=False)
                 # The last O store must have read SMEM before the CTA exits.
                 if cute.arch.thread_idx()[0] == _THREADS_PER_WG:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
-                self.consume(
-                    mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                    pipe_q, pipe_k, pipe_v, q_cons, kv_cons, m_block, head, batch,
-                    seqlen_q, seqlen_k, n_block_max, first_turn=True, n_skip=n_skip)
+                self.consume(*consume_ops, q_cons, kv_cons, m_block, head, batch, seqlen_q,
+                             seqlen_k, n_block_max, first_turn=True, n_skip=n_skip)
         if cutlass.const_expr(c > 1):
             # No CTA leaves while its peer may still multicast into it or release
             # its stages (Note [K/V multicast]).
@@ -943,37 +654,18 @@ class FlashFwdSm90:
 
     def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
-        matrix have more KV blocks: launch them first so the longest CTAs do not
-        start last (per head, or across the heads of an L2 section with ``lpt``)."""
+        matrix have more KV blocks: the LPT order launches them first, so that the
+        longest CTAs do not start last."""
         bidx, head, batch = cute.arch.block_idx()
         m_block = bidx
         c = self.cluster_m
-        # With K/V multicast the orders below are over clusters (units of c query
-        # blocks of one head), the CTA taking block c unit + rank.
+        # With K/V multicast the order is over clusters (units of c query blocks of
+        # one head), the CTA taking block c unit + rank.
         unit = bidx if cutlass.const_expr(c == 1) else bidx // c
-        if cutlass.const_expr(self.tiles.lpt):
+        if cutlass.const_expr(self.causal):
             m_block, head, batch = self.lpt_coord(unit, mQ, mK)
             m_block = self.cta_block(m_block)
-        elif cutlass.const_expr(self.causal):
-            m_block = self.cta_block(cute.arch.grid_dim()[0] // c - 1 - unit)
         return m_block, head, batch
-
-    def split_plan(self, total, n_blocks):
-        """(full tiles, units, parts) of the split last round (Note [Split tail]),
-        for the grid this kernel runs with."""
-        def select(c, a, b):
-            return cutlass.select_(c, Int32(a), Int32(b))
-
-        grid = cute.arch.grid_dim()[0]
-        parts = split_tail_parts(total, grid, n_blocks, select)
-        full, units = split_tail_units(total, grid, parts, select)
-        return full, units, parts
-
-    @staticmethod
-    def split_unit(u, full, parts, n_blocks):
-        """``split_unit`` for DSL integers."""
-        return split_unit(u, full, parts, n_blocks, cutlass.select_,
-                          lambda x: cutlass.max(x, Int32(0)), Int32(0))
 
     def lpt_section(self, seqlen_k, group):
         """Heads per L2 section of this kernel (``lpt_section_size``)."""
@@ -983,20 +675,11 @@ class FlashFwdSm90:
             lambda c, a, b: cutlass.select_(c, Int32(a), b), Int32(1))
 
     def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
-        """(m_block, head, batch) of CTA t in the LPT order (``lpt_tile``)."""
+        """(m_block, head, batch) of unit t in the LPT order (``lpt_tile``)."""
         num_heads = mQ.shape[2]
         size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
         return lpt_tile(t, cute.ceil_div(mQ.shape[0], self.tile_m * self.cluster_m), num_heads,
                         num_heads * mQ.shape[3], size, cutlass.min)
-
-    def causal_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
-        """(m_block, head, batch) of tile t of the dynamic scheduler: the LPT order
-        (``lpt``), else per head from its last query block to its first."""
-        if cutlass.const_expr(self.tiles.lpt):
-            return self.lpt_coord(t, mQ, mK)
-        num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
-        m_block, head, batch = self.tile_coord(t, num_m, mQ.shape[2])
-        return num_m - 1 - m_block, head, batch
 
     @cute.jit
     def next_tile(self, pipe_sched, sched: cute.Tensor, state: pipeline.PipelineState):
@@ -1011,18 +694,7 @@ class FlashFwdSm90:
     @cute.jit
     def load_dynamic(
         self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
-        pipe_q: pipeline.PipelineTmaAsync,
-        pipe_k: pipeline.PipelineTmaAsync,
-        pipe_v: pipeline.PipelineTmaAsync,
+        load_ops: tuple,  # (mQ, mK, mV, sQ, sK, sV, TMA atoms, pipelines) as ``load`` takes
         q_state: pipeline.PipelineState,
         state: pipeline.PipelineState,
         pipe_sched,
@@ -1034,6 +706,7 @@ class FlashFwdSm90:
         per tile, by lane 0, issued before the tile's loads so its latency hides
         behind them). Every index, and a final one past the end, goes to the
         consumers through a 2-slot SMEM ring."""
+        mQ, mK = load_ops[0], load_ops[1]
         _, total = self.tile_count(mQ)
         group = mQ.shape[2] // mK.shape[2]
         seqlen_k = mK.shape[0]
@@ -1049,11 +722,9 @@ class FlashFwdSm90:
             claimed = Int32(0)
             if lane == 0:
                 claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
-            t_m, t_head, t_batch = self.causal_coord(t, mQ, mK)
-            q_state, state = self.load(
-                mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                pipe_q, pipe_k, pipe_v, q_state, state, t_m, t_head, t_head // group,
-                t_batch, self.n_block_max(t_m, seqlen_k))
+            t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK)
+            q_state, state = self.load(*load_ops, q_state, state, t_m, t_head, t_head // group,
+                                       t_batch, self.n_block_max(t_m, seqlen_k))
             t = grid + cute.arch.shuffle_sync(claimed, 0)
         pipe_sched.producer_acquire(s_prod)
         sched[s_prod.index] = t
@@ -1122,10 +793,9 @@ class FlashFwdSm90:
         head_kv: Int32,
         batch: Int32,
         n_block_max: Int32,
-        n_lo=None,
     ):
-        """Producer warp: Q once, then K/V blocks from the last one down to 0 (to
-        n_lo: a part of a split tile). Returns the advanced (Q, K/V) pipeline states.
+        """Producer warp: Q once, then K/V blocks from the last one down to 0.
+        Returns the advanced (Q, K/V) pipeline states.
 
         K of block n is loaded before V of block n + 1, the order the consumers
         use them in with intra-warpgroup overlap (S_n = Q K_n is issued before
@@ -1159,79 +829,53 @@ class FlashFwdSm90:
             mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
 
         n_last = n_block_max - 1
-
-        pipe_k.producer_acquire(state)
-        cute.copy(
-            tma_atom_K,
-            tKgK[None, n_last],
-            tKsK[None, state.index],
-            tma_bar_ptr=pipe_k.producer_get_barrier(state),
-            **mcast,
-        )
+        self._load_kv(pipe_k, tma_atom_K, tKgK, tKsK, n_last, state, mcast)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        n_first = 0 if cutlass.const_expr(n_lo is None) else n_lo
-        steps = n_last if cutlass.const_expr(n_lo is None) else n_last - n_lo
-        for i in cutlass.range(steps, unroll=1):
+        for i in cutlass.range(n_last, unroll=1):
             n_prev = n_last - i
             state_prev = state.clone()
             state.advance()
-            pipe_k.producer_acquire(state)
-            cute.copy(
-                tma_atom_K,
-                tKgK[None, n_prev - 1],
-                tKsK[None, state.index],
-                tma_bar_ptr=pipe_k.producer_get_barrier(state),
-                **mcast,
-            )
-            pipe_v.producer_acquire(state_prev)
-            cute.copy(
-                tma_atom_V,
-                tVgV[None, n_prev],
-                tVsV[None, state_prev.index],
-                tma_bar_ptr=pipe_v.producer_get_barrier(state_prev),
-                **mcast,
-            )
-        pipe_v.producer_acquire(state)
-        cute.copy(
-            tma_atom_V,
-            tVgV[None, n_first],
-            tVsV[None, state.index],
-            tma_bar_ptr=pipe_v.producer_get_barrier(state),
-            **mcast,
-        )
+            self._load_kv(pipe_k, tma_atom_K, tKgK, tKsK, n_prev - 1, state, mcast)
+            self._load_kv(pipe_v, tma_atom_V, tVgV, tVsV, n_prev, state_prev, mcast)
+        self._load_kv(pipe_v, tma_atom_V, tVgV, tVsV, 0, state, mcast)
         state.advance()
         q_state.advance()
         return q_state, state
 
+    @staticmethod
+    def _load_kv(pipe, atom, tXgX, tXsX, n_block, state, mcast: dict):
+        """K or V block n_block into the stage of ``state``, once the consumers have
+        freed it (mcast: the multicast mask with K/V multicast, else empty)."""
+        pipe.producer_acquire(state)
+        cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
+
     # -------------------------------------------------------------- consumer
     def _sched_sync(self):
         """Wait for this warpgroup's turn to issue GEMMs (ping-pong)."""
-        if cutlass.const_expr(self.pingpong):
-            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // _THREADS_PER_WG)
-            cute.arch.barrier(
-                barrier_id=_BAR_SCHED_WG1 - 1 + wg, number_of_threads=2 * _THREADS_PER_WG
-            )
+        wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // _THREADS_PER_WG)
+        cute.arch.barrier(
+            barrier_id=_BAR_SCHED_WG1 - 1 + wg, number_of_threads=2 * _THREADS_PER_WG
+        )
 
     def _release(self, pipe, state):
-        """Release a consumed K / V / Q stage (``Sm90FwdTiles.elect_release``)."""
-        if cutlass.const_expr(self.tiles.elect_release or (
-                self.cluster_m > 1 and pipe.consumer_mask is None)):
-            # In a cluster the pipeline's own test for a CTA-local pipeline (Q) is
-            # wrong at rank > 0; the elected local arrive serves both.
+        """Release a consumed K / V / Q stage."""
+        if cutlass.const_expr(self.cluster_m > 1 and pipe.consumer_mask is None):
+            # In a cluster the pipeline's own lane test for a CTA-local pipeline (Q)
+            # is wrong at rank > 0; an elected lane's local arrive serves it.
             consumer_release_elected(pipe, state)
         else:
             pipe.consumer_release(state)
 
     def _sched_arrive(self):
         """Hand the GEMM turn to the next consumer warpgroup (round robin)."""
-        if cutlass.const_expr(self.pingpong):
-            wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // _THREADS_PER_WG)
-            # Consumer warpgroups are 1 .. num_consumer_wg.
-            nxt = wg % self.tiles.num_consumer_wg + 1
-            cute.arch.barrier_arrive(
-                barrier_id=_BAR_SCHED_WG1 - 1 + nxt, number_of_threads=2 * _THREADS_PER_WG
-            )
+        wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // _THREADS_PER_WG)
+        # Consumer warpgroups are 1 .. num_consumer_wg.
+        nxt = wg % self.num_consumer_wg + 1
+        cute.arch.barrier_arrive(
+            barrier_id=_BAR_SCHED_WG1 - 1 + nxt, number_of_threads=2 * _THREADS_PER_WG
+        )
 
     @cute.jit
     def consume(
@@ -1241,7 +885,7 @@ class FlashFwdSm90:
         sQ: cute.Tensor,  # (tile_m, D)
         sK: cute.Tensor,  # (tile_n, D, stages)
         sV: cute.Tensor,  # (tile_n, Dv, stages)
-        sO: cute.Tensor,  # (tile_m, Dv), aliases sQ
+        sO: cute.Tensor,  # (tile_m, Dv), its own buffer (persistent) or sQ's
         tma_atom_O: cute.CopyAtom,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -1257,20 +901,15 @@ class FlashFwdSm90:
         seqlen_k: Int32,
         n_block_max: Int32,
         first_turn: cutlass.Constexpr[bool],
-        n_lo=None,
-        part=None,
         n_skip=None,
     ):
         """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
         pipeline states. first_turn: give warpgroup 1 the first GEMM turn here (a
-        persistent CTA does that once, before its first tile). n_lo, part: the
-        unit of a split tail (Note [Split tail]): key blocks [n_lo, n_block_max),
-        and (counters, part O, part LSE, SMEM flag, is a part, tail unit, parts)
-        for ``merge_parts``. n_skip: K / V stages to release unread first (causal K/V
-        multicast)."""
+        persistent CTA does that once, before its first tile). n_skip: K / V stages
+        to release unread first (causal K/V multicast)."""
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
-        wg_layout = cute.make_layout(self.tiles.num_consumer_wg, stride=_THREADS_PER_WG)
+        wg_layout = cute.make_layout(self.num_consumer_wg, stride=_THREADS_PER_WG)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg_idx))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg_idx))
@@ -1291,10 +930,6 @@ class FlashFwdSm90:
         acc_O.fill(0.0)
 
         softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]),
-                                short_chain=self.tiles.short_softmax_chain,
-                                sw_exp2_per_32=self.tiles.sw_exp2_per_32,
-                                quad_fmax=self.tiles.quad_fmax,
-                                row_fmax=self.tiles.row_fmax,
                                 row_sum_chains=self.tiles.row_sum_chains)
         softmax.reset()
         mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0),
@@ -1302,7 +937,7 @@ class FlashFwdSm90:
 
         # Warpgroup 1 takes the first GEMM turn. (A compile-time and a run-time
         # test cannot share one `if` in the DSL.)
-        if cutlass.const_expr(self.pingpong and first_turn):  # noqa: SIM102
+        if cutlass.const_expr(first_turn):  # noqa: SIM102
             if wg_idx == 0:
                 cute.arch.barrier_arrive(
                     barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
@@ -1323,7 +958,7 @@ class FlashFwdSm90:
                 cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
             thr_load_q = cute.make_tiled_copy_A(load_q, tiled_mma_qk).get_slice(tidx)
             cute.copy(load_q, thr_load_q.partition_S(sQ), thr_load_q.retile(tSrQ))
-            if cutlass.const_expr(self.own_o):
+            if cutlass.const_expr(self.persistent):
                 # Q lives in registers now: the next tile's Q may load.
                 self._release(pipe_q, q_state)
                 q_state.advance()
@@ -1365,132 +1000,49 @@ class FlashFwdSm90:
         # What every step takes after (state, n_block).
         step_args = (m_block, qk, pv, to_p, softmax, mask, acc_O, pipe_k, pipe_v)
 
-        if cutlass.const_expr(self.tiles.intra_wg_overlap):
-            # First block: S, softmax, P; its P V is issued with the next S.
-            pipe_k.consumer_wait(state)
-            self._sched_sync()
-            acc_S = qk(state.index, wg_wait=-1)
-            self._sched_arrive()
-            warpgroup.wait_group(0)
-            self._release(pipe_k, state)
-            mask.apply(acc_S, m_block, n_last, mask_seqlen=True, mask_causal=self.causal)
-            softmax.online_softmax(acc_S, is_first=True)
-            to_p(acc_S)
-            if cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
-                # Blocks n_last - 1 down to 0; those >= n_causal touch the diagonal.
-                for i in cutlass.range(n_last, unroll=1):
-                    state = self._overlapped_step(state, n_last - 1 - i, *step_args,
-                                                  mask_causal=True,
-                                                  mask_if=n_last - 1 - i >= n_causal)
-            else:
-                # Diagonal blocks (none non-causal: n_causal = n_last).
-                if cutlass.const_expr(self.causal or not self.tiles.prune_diagonal_loop):
-                    for i in cutlass.range(n_last - n_causal, unroll=1):
-                        state = self._overlapped_step(state, n_last - 1 - i, *step_args,
-                                                      mask_causal=True)
-                rest = n_causal if cutlass.const_expr(n_lo is None) else n_causal - n_lo
-                for i in cutlass.range(rest, unroll=1):
-                    state = self._overlapped_step(state, n_causal - 1 - i, *step_args,
-                                                  mask_causal=False)
-            if cutlass.const_expr(self.own_o and not self.tiles.q_in_regs):
-                # Every S = Q K^T of this tile is done: the next tile's Q may load.
-                self._release(pipe_q, q_state)
-                q_state.advance()
-            # Last P V.
-            pipe_v.consumer_wait(state)
-            self._sched_sync()
-            pv(state.index, wg_wait=-1)
-            self._sched_arrive()
-            warpgroup.wait_group(0)
-            self._release(pipe_v, state)
-            state.advance()
+        # First block: S, softmax, P; its P V is issued with the next S.
+        pipe_k.consumer_wait(state)
+        self._sched_sync()
+        acc_S = qk(state.index, wg_wait=-1)
+        self._sched_arrive()
+        warpgroup.wait_group(0)
+        self._release(pipe_k, state)
+        mask.apply(acc_S, m_block, n_last, mask_seqlen=True, mask_causal=self.causal)
+        softmax.online_softmax(acc_S, is_first=True)
+        to_p(acc_S)
+        if cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
+            # Blocks n_last - 1 down to 0; those >= n_causal touch the diagonal.
+            for i in cutlass.range(n_last, unroll=1):
+                state = self._overlapped_step(state, n_last - 1 - i, *step_args,
+                                              mask_causal=True,
+                                              mask_if=n_last - 1 - i >= n_causal)
         else:
-            state = self._serial_step(state, n_last, *step_args, mask_seqlen=True,
-                                      mask_causal=self.causal, is_first=True)
-            # Diagonal blocks, as above.
+            # Diagonal blocks (none non-causal: n_causal = n_last).
             if cutlass.const_expr(self.causal or not self.tiles.prune_diagonal_loop):
                 for i in cutlass.range(n_last - n_causal, unroll=1):
-                    state = self._serial_step(state, n_last - 1 - i, *step_args,
-                                              mask_seqlen=False, mask_causal=True)
-            rest = n_causal if cutlass.const_expr(n_lo is None) else n_causal - n_lo
-            for i in cutlass.range(rest, unroll=1):
-                state = self._serial_step(state, n_causal - 1 - i, *step_args,
-                                          mask_seqlen=False, mask_causal=False)
-
-            if cutlass.const_expr(self.own_o and not self.tiles.q_in_regs):
-                self._release(pipe_q, q_state)
-                q_state.advance()
+                    state = self._overlapped_step(state, n_last - 1 - i, *step_args,
+                                                  mask_causal=True)
+            for i in cutlass.range(n_causal, unroll=1):
+                state = self._overlapped_step(state, n_causal - 1 - i, *step_args,
+                                              mask_causal=False)
+        if cutlass.const_expr(self.persistent and not self.tiles.q_in_regs):
+            # Every S = Q K^T of this tile is done: the next tile's Q may load.
+            self._release(pipe_q, q_state)
+            q_state.advance()
+        # Last P V.
+        pipe_v.consumer_wait(state)
+        self._sched_sync()
+        pv(state.index, wg_wait=-1)
+        self._sched_arrive()
+        warpgroup.wait_group(0)
+        self._release(pipe_v, state)
+        state.advance()
 
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
-        if cutlass.const_expr(part is None):
-            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block,
-                          head, batch, seqlen_q)
-        else:
-            if self.merge_parts(acc_O, lse, tidx, *part):
-                self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx,
-                              m_block, head, batch, seqlen_q)
-        if cutlass.const_expr(self.persistent and not self.own_o):
-            # O went out through the Q buffer: once the store has read it (waited
-            # for in the epilogue), the next tile's Q may load.
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-            self._release(pipe_q, q_state)
-            q_state.advance()
+        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head,
+                      batch, seqlen_q)
         return q_state, state
-
-    @cute.jit
-    def merge_parts(self, acc_O: cute.Tensor, lse: cute.Tensor, tidx, mCount: cute.Tensor,
-                    mPartO: cute.Tensor, mPartLSE: cute.Tensor, flag: cute.Tensor, is_part,
-                    v, parts):
-        """A unit of the split tail after its finalize (Note [Split tail]): a full
-        tile returns True (store it). A part writes its O (normalised) and LSE to
-        tail unit v of the workspace, in this thread's fragment order, and counts in
-        at its tile's counter; the part that counts in last reads all parts of the
-        tile, leaves the merged O and LSE in acc_O / lse and returns True."""
-        store = cutlass.Boolean(True)
-        if is_part:
-            for k in cutlass.range_constexpr(cute.size(acc_O)):
-                mPartO[v, k, tidx] = acc_O[k]
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                mPartLSE[v, r, tidx] = lse[r]
-            # Release this thread's writes at GPU scope before the count.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-            tile = v // parts
-            if tidx == 0:
-                flag[0] = cute.arch.atomic_add(mCount.iterator + tile, Int32(1),
-                                               sem="acq_rel", scope="gpu")
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-            store = flag[0] == parts - 1
-            if store:
-                cute.arch.fence_acq_rel_gpu()
-                first = tile * parts
-                # LSE of the whole row: max over the parts, then the sum of
-                # exp(lse_p - max); a row without keys (all -inf) stays -inf.
-                for r in cutlass.range_constexpr(cute.size(lse)):
-                    top = -Float32.inf
-                    for q in cutlass.range(parts, unroll=1):
-                        top = cutlass.max(top, mPartLSE[first + q, r, tidx])
-                    top_safe = Float32(0.0) if top == -Float32.inf else top
-                    total = Float32(0.0)
-                    for q in cutlass.range(parts, unroll=1):
-                        total += cute.math.exp2(
-                            (mPartLSE[first + q, r, tidx] - top_safe) * LOG2_E, fastmath=True)
-                    lse[r] = (-Float32.inf if top == -Float32.inf else
-                              top_safe + cute.math.log2(total, fastmath=True) * LN_2)
-                acc_O.fill(0.0)
-                part_o = cute.make_rmem_tensor_like(acc_O)
-                weight = cute.make_rmem_tensor_like(lse)
-                for q in cutlass.range(parts, unroll=1):
-                    for r in cutlass.range_constexpr(cute.size(lse)):
-                        w = cute.math.exp2((mPartLSE[first + q, r, tidx] - lse[r]) * LOG2_E,
-                                           fastmath=True)
-                        weight[r] = Float32(0.0) if lse[r] == -Float32.inf else w
-                    for k in cutlass.range_constexpr(cute.size(acc_O)):
-                        part_o[k] = mPartO[first + q, k, tidx]
-                    rescale_rows(part_o, weight)
-                    acc_O.store(acc_O.load() + part_o.load())
-        return store
 
     @cute.jit
     def _overlapped_step(
@@ -1511,7 +1063,8 @@ class FlashFwdSm90:
     ):
         """S_n = Q K_n issued together with O += P_(n+1) V_(n+1); softmax of S_n
         runs while the P V wgmma is still in flight. mask_if: a run-time Boolean;
-        with it the causal mask applies only where it holds (merge_diagonal_loop)."""
+        with it the causal mask applies only where it holds (the merged diagonal
+        loop, ``merge_diagonal_loop``)."""
         state_v = state.clone()
         state.advance()
         pipe_k.consumer_wait(state)
@@ -1526,58 +1079,16 @@ class FlashFwdSm90:
             mask.apply(acc_S, m_block, n_block, mask_seqlen=False, mask_causal=True,
                        when=mask_if)
         row_scale = softmax.online_softmax(acc_S, is_first=False)
-        if cutlass.const_expr(self.tiles.pin_pv_wait):
+        if cutlass.const_expr(mask_if is not None):
             # Never taken (a row scale is exp2 of a difference, >= 0): a block
-            # boundary that keeps ptxas from hoisting the wait (Note [P V wait]).
+            # boundary that keeps ptxas from hoisting the wait above the exp2s to
+            # the mask test's join (Note [P V wait]).
             if row_scale[0] < 0.0:
                 cute.arch.sync_warp()
         warpgroup.wait_group(0)  # P V done: tOrP and acc_O are free
         self._release(pipe_v, state_v)
         to_p(acc_S)
-        if cutlass.const_expr(self.tiles.rescale_always):
-            rescale_rows(acc_O, row_scale)
-        else:
-            rescale_rows_if_needed(acc_O, row_scale)
-        return state
-
-    @cute.jit
-    def _serial_step(
-        self,
-        state,
-        n_block,
-        m_block,
-        qk,
-        pv,
-        to_p,
-        softmax,
-        mask,
-        acc_O,
-        pipe_k,
-        pipe_v,
-        mask_seqlen: cutlass.Constexpr[bool],
-        mask_causal: cutlass.Constexpr[bool],
-        is_first: cutlass.Constexpr[bool] = False,
-    ):
-        """One KV block without intra-warpgroup overlap: S, softmax, then P V."""
-        pipe_k.consumer_wait(state)
-        self._sched_sync()
-        acc_S = qk(state.index, wg_wait=-1)
-        self._sched_arrive()
-        warpgroup.wait_group(0)
-        self._release(pipe_k, state)
-        if cutlass.const_expr(mask_seqlen or mask_causal):
-            mask.apply(acc_S, m_block, n_block, mask_seqlen=mask_seqlen, mask_causal=mask_causal)
-        row_scale = softmax.online_softmax(acc_S, is_first=is_first)
-        to_p(acc_S)
-        if cutlass.const_expr(not is_first):
-            rescale_rows_if_needed(acc_O, row_scale)
-        pipe_v.consumer_wait(state)
-        self._sched_sync()
-        pv(state.index, wg_wait=-1)
-        self._sched_arrive()
-        warpgroup.wait_group(0)
-        self._release(pipe_v, state)
-        state.advance()
+        rescale_rows_if_needed(acc_O, row_scale)
         return state
 
     @cute.jit
@@ -1598,7 +1109,7 @@ class FlashFwdSm90:
     ):
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if cutlass.const_expr(self.own_o):  # noqa: SIM102
+        if cutlass.const_expr(self.persistent):  # noqa: SIM102
             # sO is free once the previous tile's O store has read it.
             if tidx == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1626,7 +1137,8 @@ class FlashFwdSm90:
             )
             tma_store_tile(tma_atom_O, sO, gO)
             cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(not self.own_o):
+            if cutlass.const_expr(not self.persistent):
+                # The store reads sQ's buffer: done before the CTA exits.
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
@@ -1661,66 +1173,13 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
         self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter)
 
 
-class FlashFwdSm90Split(FlashFwdSm90):
-    """The persistent non-causal forward with its last round split along the keys
-    (``Sm90FwdTiles.split_tail``, Note [Split tail]).
-
-    The call takes one extra operand after V, the tail tiles' int32 counters,
-    zero at launch (aliased to an extra output), and writes two more outputs, the
-    parts' O and LSE (a workspace, dropped): ``split_shapes`` gives all three
-    shapes, ``rules.kernels_cuda.forward`` passes them."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if not self.split:
-            raise ValueError("FlashFwdSm90Split is the persistent non-causal forward with "
-                             "split_tail")
-
-    def split_shapes(self, batch: int, seqlen_q: int, seqlen_k: int, heads_q: int):
-        """((tail tiles,), (tail units, Dv / 2, consumer threads), (tail units, 2,
-        consumer threads)): the counters' and the workspace's shapes for a problem,
-        each at least 1 long, from the plan the kernel follows on this GPU."""
-        total = -(-seqlen_q // self.tile_m) * heads_q * batch
-        grid = min(total, self.num_sms)
-        parts = split_tail_parts(total, grid, -(-seqlen_k // self.tile_n))
-        full, units = split_tail_units(total, grid, parts)
-        frag = 64 * self.head_dim_v // _THREADS_PER_WG
-        return ((max(total - full, 1),), (max(units - full, 1), frag, self.num_mma_threads),
-                (max(units - full, 1), 2, self.num_mma_threads))
-
-    @cute.jit
-    def __call__(
-        self,
-        stream: cuda.CUstream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mCount: cute.Tensor,  # (tail tiles,) int32, zero at launch
-        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
-        mPartO: cute.Tensor,  # (tail units, Dv / 2, consumer threads) f32
-        mPartLSE: cute.Tensor,  # (tail units, 2, consumer threads) f32
-    ):
-        if cutlass.const_expr(mCount.element_type != Int32):
-            raise TypeError("the split tail's counters must be int32")
-        if cutlass.const_expr(mPartO.element_type != Float32
-                              or mPartLSE.element_type != Float32):
-            raise TypeError("the split tail's workspace must be float32")
-        self.launch(stream, mQ, mK, mV, mO, mLSE, None, (mCount, mPartO, mPartLSE))
-
-
 def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
                   causal: bool = False, softmax_scale: float | None = None,
                   tiles: Sm90FwdTiles | None = None) -> FlashFwdSm90:
     """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
     where its tiles make it the causal persistent kernel (which takes the tile
-    counter operand), ``FlashFwdSm90Split`` where they split the last round of the
-    non-causal persistent one (the counters and workspace), else ``FlashFwdSm90``."""
+    counter operand), else ``FlashFwdSm90``."""
     hv = head_dim if head_dim_v is None else head_dim_v
     t = tiles or fwd_tiles(head_dim, hv, causal)
-    cls = FlashFwdSm90
-    if t.persistent and causal:
-        cls = FlashFwdSm90Dynamic
-    elif t.persistent and t.split_tail:
-        cls = FlashFwdSm90Split
+    cls = FlashFwdSm90Dynamic if t.persistent and causal else FlashFwdSm90
     return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t)
