@@ -7,13 +7,25 @@ Public API:
   (sm_90a), the pure-JAX reference path elsewhere (logged once).
 * :func:`dot_product_attention` - the signature and semantics of
   ``jax.nn.dot_product_attention``.
-* :mod:`jax_fa4.flax` - ``attention_fn`` for Flax's multi-head attention modules.
+* :func:`ring_attention` - context parallelism inside ``jax.shard_map``: K/V travel
+  around a ring of devices; :func:`to_zigzag` / :func:`from_zigzag` lay a sequence
+  out for the load-balanced causal ring.
+* :mod:`jax_fa4.flax` - ``attention_fn`` and multi-head attention modules for Flax.
 * :mod:`jax_fa4.reference` - the pure-JAX reference (dense and blockwise).
 """
 
 from jax_fa4.api import attention, dot_product_attention
+from jax_fa4.ring import from_zigzag, ring_attention, to_zigzag
 from jax_fa4.rules import KernelUnavailableError
 
 __version__ = "0.1.0"
 
-__all__ = ["KernelUnavailableError", "attention", "dot_product_attention", "__version__"]
+__all__ = [
+    "KernelUnavailableError",
+    "__version__",
+    "attention",
+    "dot_product_attention",
+    "from_zigzag",
+    "ring_attention",
+    "to_zigzag",
+]

@@ -153,7 +153,7 @@ def attention_dense(
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
-def _like_inputs(init, *inputs):
+def like_inputs(init, *inputs):
     """Give loop-carry initial values the varying manual axes of the inputs.
 
     Inside shard_map the scan body's carry picks up the mesh axes its inputs
@@ -259,7 +259,7 @@ def attention_blockwise(
         jnp.zeros((b, hkv, g, sq), jnp.float32),
         jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
     )
-    init = _like_inputs(init, q, k, v, *_present(masks))
+    init = like_inputs(init, q, k, v, *_present(masks))
     (o, l, m), _ = jax.lax.scan(step, init, (jnp.arange(nblk), kb, vb,
                                              _segment_blocks(masks, bk, nblk)))
     safe_l = jnp.where(l == 0, 1.0, l)
@@ -328,7 +328,7 @@ def attention_bwd_blockwise(
         dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
         return dq, (dk_j, dv_j)
 
-    dq0 = _like_inputs(jnp.zeros((b, sq, hkv, g, d), jnp.float32), q, k, v, out, lse, dout,
+    dq0 = like_inputs(jnp.zeros((b, sq, hkv, g, d), jnp.float32), q, k, v, out, lse, dout,
                        *(() if dlse is None else (dlse,)), *_present(masks))
     dq, (dkb, dvb) = jax.lax.scan(step, dq0, (jnp.arange(nblk), kb, vb,
                                               _segment_blocks(masks, bk, nblk)))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-# Four CPU devices for the shard_map tests (read when JAX's CPU backend starts).
+# Eight CPU devices for the shard_map and ring tests (read when JAX's CPU backend starts).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
 import jax  # noqa: E402

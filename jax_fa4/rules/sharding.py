@@ -2,8 +2,9 @@
 
 Attention is independent across batch entries and across (query-head group,
 kv head) pairs, so both the batch and the head dimensions can stay sharded;
-sequence and head dims must be whole on each device (ring attention over
-sequence shards is a shard_map program, see tests/test_sharding.py).
+sequence and head dims must be whole on each device: a sequence-sharded input
+raises an error that names ``jax_fa4.ring_attention``, the shard_map program for
+sequence shards.
 
 The rule is attached inside each primitive's lowering, as JAX's own cuDNN
 attention does: vmap and autodiff act on the primitives first, and only the
@@ -66,8 +67,20 @@ def _axes_size(mesh, axes) -> int:
 def _plan(mesh, arg_shapes):
     """(batch axes, head axes) to keep sharded, read off the query's sharding."""
     q, k = arg_shapes[0], arg_shapes[1]
-    spec = getattr(getattr(q, "sharding", None), "spec", None)
-    spec = tuple(spec) + (None,) * (4 - len(spec)) if spec is not None else (None,) * 4
+
+    def spec_of(x):
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        return tuple(spec) + (None,) * (4 - len(spec)) if spec is not None else (None,) * 4
+
+    spec = spec_of(q)
+    if spec[1] is not None or spec_of(k)[1] is not None:
+        # Gathering K / V and Q onto every device would compute every query on every
+        # device (and, at long sequences, run out of memory with no word why).
+        raise ValueError(
+            "jax_fa4.attention: the sequence dimension of query / key / value is sharded "
+            f"(query {spec_of(q)}, key {spec_of(k)}); attention under jit keeps batch and "
+            "head sharding only. For sequence (context) parallelism call "
+            "jax_fa4.ring_attention inside jax.shard_map.")
     batch, heads = spec[0], spec[2]
     if batch is not None and q.shape[0] % _axes_size(mesh, batch):
         batch = None
