@@ -1,5 +1,6 @@
-"""Small CuTe DSL helpers the kernels share: dtype mapping, tensor re-views,
-and the sm90 swizzled SMEM operand layout."""
+"""Small CuTe DSL helpers the kernels share: dtype mapping, tensor re-views, the
+sm90 swizzled SMEM operand layout and wgmma helpers, the backward main kernels'
+call, programmatic dependent launch, the dQ semaphores and bulk / TMA copies."""
 
 from __future__ import annotations
 
@@ -222,7 +223,8 @@ class BwdMainCall:
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, LSE * log2(e); +inf past Sq
         mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, rowsum(dO * O) - dLSE; 0 past Sq
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        *rest: cute.Tensor,  # [mdQsem (B, Hq, num_m) int32,] mdK (B, Sk, Hkv, D), mdV
+        *rest: cute.Tensor,  # mdK (B, Sk, Hkv, D), mdV (B, Sk, Hkv, Dv); first
+        # mdQsem (B, Hq, num_m) int32 with takes_dq_semaphores
     ):
         if const_expr(self.takes_dq_semaphores):
             mdQsem, mdK, mdV = rest

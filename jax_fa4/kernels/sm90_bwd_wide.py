@@ -61,7 +61,7 @@ ptxas spilled. Within a 128-byte row a thread's four float2 sit in four differen
 only change address bits the swizzle neither reads nor writes. So
 `_store_dq_smem` swizzles four base offsets and stores everything else at
 immediate offsets from them (checked for every thread and register by
-tests/test_kernels_sm90_bwd_wide_compile.py).
+tests/test_kernels_sm90_bwd_compile.py).
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones past
