@@ -89,8 +89,10 @@ def bwd_structs(b, sq, sk, hq, hkv, d, dtype):
 
 
 def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
-              shape=(2, 113, 203, 4, 1), compile_options: str | None = None) -> str:
-    """Lower a backward main kernel (sm90 or sm100 class) for (B, Sq, Sk, Hq, Hkv).
+              shape=(2, 113, 203, 4, 1), compile_options: str | None = None,
+              **kernel_kwargs) -> str:
+    """Lower a backward main kernel (sm90 or sm100 class, built with
+    ``kernel_kwargs`` such as use_pdl) for (B, Sq, Sk, Hq, Hkv).
 
     The default shape has GQA (4 query heads per kv head) and lengths that are
     not tile multiples.
@@ -106,7 +108,8 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
         sem = jax.ShapeDtypeStruct((b, hq, -(-sq // tile_m)), jnp.int32)
         ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
     return lower(
-        lambda: kernel_cls(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5),
+        lambda: kernel_cls(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5,
+                           **kernel_kwargs),
         arch, ins, outs, aliases, compile_options,
     )
 
@@ -157,19 +160,22 @@ def assert_semaphore_order(lines: list[str], reduce_pattern: str) -> None:
     first(r"REDG\.E\.ADD\.STRONG\.GPU|ATOMG\.E\.ADD\.STRONG\.GPU", release)
 
 
-def exp2s_between_waits(sass: str) -> list[int]:
-    """For each partial wgmma wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: one group
-    still in flight), the number of exp2s before the next full wait (``0x0``): the
-    exp2 work that overlaps the last wgmma group (the forward's P V, Note [P V
-    wait]; the backward's dP^T, BwdTiles.pin_dp_wait)."""
-    lines = sass.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
-            n = 0
-            for later in lines[i + 1:]:
-                if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
-                    break
-                n += "MUFU.EX2" in later
-            out.append(n)
-    return out
+# Any SASS instruction that reads or writes global memory (per-thread, bulk, TMA,
+# atomics).
+_GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|LDGSTS|LD|ST|ATOM|ATOMG|RED|REDG|UTMALDG|UTMASTG|"
+                            r"UTMAREDG|UBLKCP|UBLKRED|UBLKPF)\b")
+
+
+def assert_pdl_chained(sass: str) -> None:
+    """A kernel of the backward's programmatic-dependent-launch chain: it may start
+    while the kernel before it drains, so it waits for it (griddepcontrol.wait, SASS
+    ``ACQBULK``) once, before its first global-memory access, and lets the next one
+    launch (griddepcontrol.launch_dependents, ``PREEXIT``)."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    waits = [i for i, ln in enumerate(lines) if re.search(r"\bACQBULK\b", ln)]
+    assert len(waits) == 1, f"{len(waits)} griddepcontrol.wait (ACQBULK) in the SASS"
+    accesses = [i for i, ln in enumerate(lines) if _GLOBAL_ACCESS.search(ln)]
+    before = sum(i < waits[0] for i in accesses)
+    assert before == 0, f"{before} global-memory instructions before the PDL wait"
+    assert accesses, "no global-memory instruction found (pattern broken?)"
+    assert any(re.search(r"\bPREEXIT\b", ln) for ln in lines), "no launch_dependents"

@@ -1,10 +1,11 @@
-"""The flat dQ accumulator order (Note [Flat dQ accumulator], kernels/dq_layout.py).
+"""The layouts of kernels/dq_layout.py: the flat dQ accumulator order (Note [Flat dQ
+accumulator]) and the deterministic backwards' order of dQ adds.
 
-The host formula is what scripts/gpu_check_bwd.py uses to read the main kernel's
-dQaccum; the kernels themselves never use it (the postprocess rebuilds the dQ
-GEMM's register fragment instead). These tests pin the formula to the wgmma
-accumulator layout: to the PTX ISA's documented fragment and, where the CuTe DSL is
-installed, to the DSL's own partition of the backward's dQ tiled MMA.
+The flat formula is for host-side checks; the kernels never use it (the
+postprocess rebuilds the dQ GEMM's register fragment instead). These tests pin it
+to the wgmma accumulator layout: to the PTX ISA's documented fragment and, where
+the CuTe DSL is installed, to the DSL's own partition of the backward's dQ tiled
+MMA.
 """
 
 import importlib.util
@@ -12,10 +13,15 @@ import importlib.util
 import numpy as np
 import pytest
 
-from jax_fa4.kernels.dq_layout import flat_dq_rowcol, unflatten_dq_accum
+from jax_fa4.kernels.dq_layout import (
+    det_add_rank,
+    det_key_block,
+    flat_dq_rowcol,
+    unflatten_dq_accum,
+)
 
-# (tile_m, head_dim); 80 computes dQ^T (hdim 128, non-causal)
-CONFIGS = [(64, 128), (128, 64), (64, 64), (128, 128), (80, 128)]
+# (tile_m, head_dim)
+CONFIGS = [(64, 128), (128, 64), (64, 64), (128, 128)]
 
 
 @pytest.mark.parametrize("tile_m,head_dim", CONFIGS)
@@ -46,17 +52,6 @@ def test_flat_order_follows_the_wgmma_fragment():
     assert (rows[64 * 64], cols[64 * 64]) == (64, 0)
 
 
-def test_flat_order_of_the_transposed_dq():
-    """80-row tiles hold dQ^T = K^T dS^T: the fragment's rows are dQ's columns (d),
-    its columns dQ's rows (queries); warpgroup w owns d in [64 w, 64 w + 64)."""
-    rows, cols = flat_dq_rowcol(80, 128)
-    at = {(int(r), int(c)): f for f, (r, c) in enumerate(zip(rows, cols))}
-    # Thread 0, registers 0..3: dQ^T (0,0) (0,1) (8,0) (8,1) = dQ (0,0) (1,0) (0,8) (1,8).
-    assert [at[(0, 0)], at[(1, 0)], at[(0, 8)], at[(1, 8)]] == [0, 1, 2, 3]
-    assert at[(2, 0)] == 4 and at[(0, 1)] == 16 and at[(8, 0)] == 512
-    assert at[(0, 64)] == 64 * 80  # warpgroup 1
-
-
 @pytest.mark.parametrize("tile_m,head_dim", CONFIGS)
 def test_unflatten_inverts_the_order(tile_m, head_dim):
     rng = np.random.default_rng(0)
@@ -69,44 +64,16 @@ def test_unflatten_inverts_the_order(tile_m, head_dim):
     np.testing.assert_array_equal(unflatten_dq_accum(flat, tile_m), dense)
 
 
-def test_unflatten_keeps_the_rows_past_the_last_80_row_tile():
-    """Sq = 4096 with 80-row tiles: Sq_pad = 4224 (seqlen_q_padded) holds 52 whole
-    tiles and 64 padding rows, which stay where they are."""
-    from jax_fa4.kernels.bwd_preprocess import seqlen_q_padded
-
-    s_pad = seqlen_q_padded(4096, 80)
-    assert s_pad == 4224 and s_pad % 128 == 0 and s_pad >= 52 * 80
-    rng = np.random.default_rng(1)
-    dense = rng.standard_normal((1, 1, s_pad, 128)).astype(np.float32)
-    rows, cols = flat_dq_rowcol(80, 128)
-    flat = dense.copy()
-    tiles = dense[0, 0, :52 * 80].reshape(52, 80, 128)
-    flat[0, 0, :52 * 80] = tiles[:, rows, cols].reshape(-1, 128)
-    np.testing.assert_array_equal(unflatten_dq_accum(flat, 80), dense)
-
-
-@pytest.mark.parametrize("seqlen", [1, 80, 113, 128, 1000, 1024, 4096, 4097, 16384])
-def test_padded_rows_cover_whole_query_tiles(seqlen):
-    from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD, seqlen_q_padded
-
-    plain = seqlen_q_padded(seqlen)
-    assert plain == -(-seqlen // SEQLEN_Q_PAD) * SEQLEN_Q_PAD
-    assert seqlen_q_padded(seqlen, 64) == seqlen_q_padded(seqlen, 128) == plain
-    odd = seqlen_q_padded(seqlen, 80)
-    assert odd % SEQLEN_Q_PAD == 0 and odd >= -(-seqlen // 80) * 80
-    assert odd - plain in (0, SEQLEN_Q_PAD)  # at most one more 128-row block
-
-
 def test_rejects_tiles_without_whole_atoms():
     with pytest.raises(ValueError):
-        flat_dq_rowcol(80, 64)
+        flat_dq_rowcol(80, 128)
     with pytest.raises(ValueError):
         flat_dq_rowcol(64, 100)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
                     reason="nvidia-cutlass-dsl not installed")
-@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64), (80, 128)])
+@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64)])
 @pytest.mark.filterwarnings("ignore:This static loop")
 def test_flat_order_matches_the_dsl_partition(tile_m, head_dim):
     """Trace the backward's dQ tiled MMA: register v of MMA thread t must hold the
@@ -116,10 +83,10 @@ def test_flat_order_matches_the_dsl_partition(tile_m, head_dim):
     import cutlass.cute as cute
 
     from jax_fa4.ffi.bridge import pinned_arch
-    from jax_fa4.kernels.sm90_bwd_common import dq_mma_shape, dq_tiled_mma
+    from jax_fa4.kernels.sm90_bwd_common import dq_tiled_mma
 
     found = {}
-    mn = dq_mma_shape(tile_m, head_dim)  # (head_dim, tile_m) for dQ^T
+    mn = (tile_m, head_dim)
 
     @cute.jit
     def walk():
@@ -140,6 +107,32 @@ def test_flat_order_matches_the_dsl_partition(tile_m, head_dim):
     for (t, v), (r, c) in found.items():
         w, tl = divmod(t, 128)
         f = w * tile_m * head_dim // 2 + (v // 4) * 512 + 4 * tl + v % 4
-        if mn[0] != tile_m:  # dQ^T: (row, col) of the fragment = (col, row) of dQ
-            r, c = c, r
         assert (int(r), int(c)) == (rows[f], cols[f]), (t, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (1000, 1000), (4096, 4096), (777, 1500),
+                                   (2000, 129)])
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_deterministic_order_is_a_deadlock_free_permutation(causal, sq, sk, tile_m):
+    """The deterministic backward's order (det_key_block, det_add_rank, the
+    functions the kernels call): for every query block the key blocks reaching it
+    take ranks 0..count-1 exactly once, so every spin ends and every partial is
+    added once; a CTA waits (rank > 0) only on the key block one rank earlier,
+    which launches earlier (lower blockIdx.x); and, causal, that block reached the
+    query block in fewer steps of its own walk, so it is not behind."""
+    tile_n = 128
+    num_n, num_m = -(-sk // tile_n), -(-sq // tile_m)
+    launch = {det_key_block(x, num_n, causal): x for x in range(num_n)}
+    assert sorted(launch) == list(range(num_n))
+    for m in range(num_m):
+        # Key blocks with a key that some query of block m sees (top-left causal).
+        reach = [n for n in range(num_n)
+                 if not causal or n * tile_n <= (m + 1) * tile_m - 1]
+        ranks = {det_add_rank(m, n, num_n, tile_m, tile_n, causal): n for n in reach}
+        assert sorted(ranks) == list(range(len(reach))), (m, ranks)
+        for r in range(1, len(reach)):
+            n, prev = ranks[r], ranks[r - 1]
+            assert launch[prev] < launch[n]
+            if causal:  # steps into its walk (which starts at n * tile_n // tile_m)
+                assert m - prev * tile_n // tile_m <= m - n * tile_n // tile_m

@@ -41,8 +41,8 @@ def postprocess_tiling(head_dim: int) -> tuple[int, int]:
     """(tile_m, num_threads) per head dim: the tuning table of this kernel.
 
     A thread holds tile_m * D / num_threads floats; 32 measured best on the
-    H200 at B=4, S=4096, H=16, D=128 (50.6 us against 53.2 us for 64). tile_m
-    divides SEQLEN_Q_PAD so no block reads past the padded accumulator.
+    H200. tile_m divides SEQLEN_Q_PAD so no block reads past the padded
+    accumulator.
     """
     if head_dim <= 128:
         return 64, 256
@@ -57,8 +57,7 @@ class FlashBwdPostprocess:
     """
 
     def __init__(self, dtype, head_dim: int, softmax_scale: float,
-                 flat_tile_m: int | None = None, use_pdl: bool = False,
-                 reverse_heads: bool = True):
+                 flat_tile_m: int | None = None, use_pdl: bool = False):
         if cutlass is None:
             raise ImportError("FlashBwdPostprocess needs nvidia-cutlass-dsl")
         if head_dim % 8:
@@ -68,20 +67,15 @@ class FlashBwdPostprocess:
         self.softmax_scale = float(softmax_scale)
         # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
         self.use_pdl = use_pdl
-        # The last (batch, head) first (Note [Pre / post order] in bwd_preprocess.py).
-        self.reverse_heads = reverse_heads
         self.tile_m, self.num_threads = postprocess_tiling(head_dim)
         # The main kernel's query tile when dQaccum is in flat order, else None.
         self.flat_tile_m = flat_tile_m
         if flat_tile_m is not None:
-            if (flat_tile_m not in (64, 80, 128) or head_dim not in (64, 128)
-                    or (flat_tile_m == 80 and head_dim != 128)):
+            if flat_tile_m not in (64, 128) or head_dim not in (64, 128):
                 raise ValueError(f"no flat dQ accumulator for tile_m {flat_tile_m}, "
                                  f"head_dim {head_dim}")
             self.tile_m, self.num_threads = flat_tile_m, 256
-        # An 80-row flat tile is no divisor of SEQLEN_Q_PAD; Sq_pad then covers
-        # ceil(Sq / 80) whole tiles (seqlen_q_padded), of which this grid reads.
-        assert SEQLEN_Q_PAD % self.tile_m == 0 or flat_tile_m == 80
+        assert SEQLEN_Q_PAD % self.tile_m == 0
 
     @cute.jit
     def __call__(
@@ -125,7 +119,7 @@ class FlashBwdPostprocess:
 
         pdl_start(self.use_pdl)  # dQaccum comes from the main kernel
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = block_idx_heads_last_first(self.reverse_heads)
+        m_block, head, batch = block_idx_heads_last_first()
         rows_left = mdQ.shape[0] - m_block * self.tile_m
 
         blk = (self.tile_m, self.head_dim)
@@ -192,23 +186,19 @@ class FlashBwdPostprocess:
             pdl_start,
             stmatrix_acc,
             tma_store_tile,
-            transpose_smem,
         )
-        from jax_fa4.kernels.sm90_bwd_common import dq_mma_shape
 
         pdl_start(self.use_pdl)  # dQaccum comes from the main kernel
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = block_idx_heads_last_first(self.reverse_heads)
+        m_block, head, batch = block_idx_heads_last_first()
         tm, d = self.tile_m, self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
         storage = cutlass.utils.SmemAllocator().allocate(Storage)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         # This thread's chunks: 4 floats every 512, as its MMA namesake stored them.
-        # An 80-row tile holds dQ^T's fragments (dq_mma_shape).
         thr_mma = mma.get_slice(tidx)
-        swapped = tm % 64 != 0
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(dq_mma_shape(tm, d)), Float32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, d)), Float32)
         part = cute.size(acc) * 128
         gblk = cute.local_tile(mdQaccum[None, None, head, batch], (tm, d), (m_block, 0))
         gpart = cute.make_tensor(gblk.iterator, cute.make_layout((part, 2)))[None, wg]
@@ -220,8 +210,7 @@ class FlashBwdPostprocess:
 
         rdQ = cute.make_fragment_like(acc, self.dtype)
         rdQ.store((acc.load() * self.softmax_scale).to(self.dtype))
-        stmatrix_acc(rdQ, mma, transpose_smem(sdQ) if const_expr(swapped) else sdQ, tidx,
-                     self.dtype, transpose=swapped)
+        stmatrix_acc(rdQ, mma, sdQ, tidx, self.dtype)
         # The st.matrix writes must be visible to the TMA engine before it reads.
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()

@@ -10,10 +10,7 @@ Runs once before the main backward kernel. Per query row i of every
 cotangent is a symbolic zero; no zero-filled dLSE is made or read then)
 
 and zeroes the whole fp32 dQ accumulator, padding rows included, because the
-main kernel only ever adds into it. For a main kernel that stores each query
-block's first dQ partial (``zero_dq=False``, Note [dQ store first] in dq_layout.py)
-it leaves dQaccum alone and zeroes that kernel's per-query-block semaphores instead
-(``sem_tile_m``).
+main kernel only ever adds into it.
 
 The kernel is architecture neutral (plain vectorized global loads and stores,
 warp shuffles): the same code compiles for sm_90a and sm_100a. It is memory
@@ -27,19 +24,15 @@ workspaces on machines without the CuTe DSL.
 Note [Pre / post order]
 ~~~~~~~~~~~~~~~~~~~~~~~
 The main backward kernel walks (batch, head) pairs from the first to the last (its
-LPT order too, in sections of heads). So when it ends, L2 (50 MB) still holds the dQ
-accumulator of its last section: about 16 MiB of 128 at 1k tokens x 16 x 16 heads,
-where the LPT section is 32 heads. The postprocess in grid order reads those heads
-last, after the first 110 MiB have evicted them. With ``reverse_heads`` it starts
-with the last (batch, head) and reads them from L2 first: about 12% fewer DRAM
-reads of dQaccum, the postprocess being bound by DRAM. The same for the preprocess
-the other way round: its last heads' O / dO and zeroed dQaccum blocks are the ones
-L2 keeps, so in reverse those are the heads the main kernel starts with. At 16k
-tokens the postprocess is about 1% of the backward, so the order can matter only at
-short sequences. Measured on the H200 (twenty-sixth session, 3 rounds of 1 s each
-way, one process): the backward 0.5% faster at hdim 128 1k tokens, causal and not,
-and 0.1% at 16k causal. On by default (``KernelKey.prepost_reverse``;
-``$JAX_FA4_PREPOST_REVERSE=0`` walks in grid order).
+LPT order too, in sections of heads). So when it ends, L2 still holds the dQ
+accumulator of its last heads, which a postprocess in grid order would read last,
+after the others have evicted them. Both the preprocess and the postprocess
+therefore walk (batch, head) from the last to the first
+(``block_idx_heads_last_first``): the postprocess reads the main kernel's last dQ
+partials from L2 while they are there (it is bound by DRAM), and the preprocess
+leaves in L2 the O / dO rows and zeroed dQaccum blocks of the heads the main kernel
+starts with. It matters at short sequences, where the postprocess is a noticeable
+part of the backward.
 """
 
 from __future__ import annotations
@@ -47,8 +40,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from jax_fa4.kernels.dq_layout import dq_first_by_length
 
 # Sq_pad is a multiple of SEQLEN_Q_PAD: a backward Q tile of 64 or 128 rows is
 # always a whole block of dQaccum, so its reduce-add never runs off the end.
@@ -59,15 +50,9 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def seqlen_q_padded(seqlen_q: int, tile_m: int | None = None) -> int:
-    """Sq_pad: round_up(Sq, 128), and with a query tile that does not divide 128
-    (the sm90 hdim 128 non-causal backward's 80 rows) large enough for
-    ceil(Sq / tile_m) whole tiles as well (Sq = 4096: 52 tiles end at row 4160,
-    so 4224)."""
-    pad = _round_up(seqlen_q, SEQLEN_Q_PAD)
-    if tile_m is not None:
-        pad = max(pad, _round_up(_round_up(seqlen_q, tile_m), SEQLEN_Q_PAD))
-    return pad
+def seqlen_q_padded(seqlen_q: int) -> int:
+    """Sq_pad: round_up(Sq, 128)."""
+    return _round_up(seqlen_q, SEQLEN_Q_PAD)
 
 
 def bwd_workspace_shapes(
@@ -78,21 +63,23 @@ def bwd_workspace_shapes(
     Args:
       batch, seqlen_q, heads_q: B, Sq, Hq of the query.
       head_dim: D, the query/key head dim (dQ has this width).
-      tile_m: the main kernel's query tile, if known; only one that does not
-        divide 128 (80) changes Sq_pad.
+      tile_m: the main kernel's query tile, if known; it must divide 128, so that
+        every query tile is a whole block of the workspaces.
 
     Returns:
       name -> (shape, dtype) for
         Dpsum   (B, Hq, Sq_pad)      f32: rowsum(dO * O) - dLSE; 0 past Sq
         LSElog2 (B, Hq, Sq_pad)      f32: LSE * log2(e); +inf past Sq
-        dQaccum (B, Hq, Sq_pad, D)   f32: zeroed here, Sq_pad = seqlen_q_padded(Sq, tile_m)
+        dQaccum (B, Hq, Sq_pad, D)   f32: zeroed here, Sq_pad = seqlen_q_padded(Sq)
 
     The statistics are padded like dQaccum so that a main kernel can load a whole
     block of them with one aligned bulk copy, and so that padding queries get
     P = exp2(s - inf) = 0 without a bounds test.
     """
+    if tile_m is not None and SEQLEN_Q_PAD % tile_m:
+        raise ValueError(f"a query tile of {tile_m} rows does not divide {SEQLEN_Q_PAD}")
     f32 = np.dtype(np.float32)
-    seqlen_q_pad = seqlen_q_padded(seqlen_q, tile_m)
+    seqlen_q_pad = seqlen_q_padded(seqlen_q)
     return {
         "Dpsum": ((batch, heads_q, seqlen_q_pad), f32),
         "LSElog2": ((batch, heads_q, seqlen_q_pad), f32),
@@ -139,6 +126,8 @@ try:  # The kernel needs the CuTe DSL; the workspace helper above does not.
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, const_expr, cute
+
+    from jax_fa4.kernels.softmax import LOG2_E
 except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
     cutlass = None
 
@@ -153,9 +142,6 @@ except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-
         kernel = jit
 
     cute = _NoCute()
-
-_LOG2_E = math.log2(math.e)
-
 
 def _cutlass_dtype(dtype):
     """Accept a cutlass numeric type or anything numpy/JAX calls bf16/fp16."""
@@ -183,9 +169,8 @@ def preprocess_tiling(head_dim_v: int) -> tuple[int, int]:
 
     tile_m divides SEQLEN_Q_PAD so the grid of Sq_pad / tile_m CTAs zeroes
     dQaccum exactly. A thread holds tile_m * Dv / num_threads values of O and
-    as many of dO; 32 each (~45 registers, 5 CTAs per SM) measured best on the
-    H200 at B=4, S=4096, H=16, D=128: 74.7 us against 78.8 us for 64 each
-    (tile_m 128) and 80.7 us for (64, 128 threads).
+    as many of dO; 32 each (about 45 registers, 5 CTAs per SM) measured best on
+    the H200.
     """
     if head_dim_v <= 128:
         return 64, 256
@@ -248,8 +233,7 @@ class FlashBwdPreprocess:
     """
 
     def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None,
-                 use_pdl: bool = False, zero_dq: bool = True, sem_tile_m: int | None = None,
-                 zero_dq_above: int = 0, reverse_heads: bool = True):
+                 use_pdl: bool = False):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:
@@ -262,23 +246,7 @@ class FlashBwdPreprocess:
         self.stat_block = stat_block
         # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
         self.use_pdl = use_pdl
-        # The last (batch, head) first (Note [Pre / post order]).
-        self.reverse_heads = reverse_heads
         self.tile_m, self.num_threads = preprocess_tiling(head_dim_v)
-        # zero_dq False: dQaccum is not touched (the main kernel stores each query
-        # block's first partial). sem_tile_m: the call takes mdQsem, (B, Hq,
-        # ceil(Sq / sem_tile_m)) int32, and zeroes it (the main kernel's query tile).
-        # zero_dq_above N > 0 (with zero_dq False and sem_tile_m): zero dQaccum only
-        # where the main kernel will not store first (Note [dQ store first by
-        # length] in dq_layout.py), a run-time test on the semaphores' extent.
-        self.zero_dq = zero_dq
-        self.sem_tile_m = sem_tile_m
-        self.zero_dq_above = zero_dq_above
-        if sem_tile_m is not None and sem_tile_m < 1:
-            raise ValueError(f"sem_tile_m must be positive, got {sem_tile_m}")
-        if zero_dq_above < 0 or (zero_dq_above and (zero_dq or sem_tile_m is None)):
-            raise ValueError("zero_dq_above > 0 needs zero_dq False and sem_tile_m "
-                             f"(got {zero_dq_above}, {zero_dq}, {sem_tile_m})")
         assert SEQLEN_Q_PAD % self.tile_m == 0
         assert self.tile_m <= self.num_threads  # one thread per row moves LSE
         # The zeroing copy moves 4 floats per thread per step over a flat tile.
@@ -294,21 +262,16 @@ class FlashBwdPreprocess:
         mdLSE: cute.Tensor,  # (B, Hq, Sq) f32, cotangent of LSE
         mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed (zero_dq)
-        mdQsem: cute.Tensor | None = None,  # (B, Hq, ceil(Sq / sem_tile_m)) int32, out: 0
+        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed
     ):
-        self.launch(stream, mO, mdO, mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum, mdQsem)
+        self.launch(stream, mO, mdO, mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum)
 
     @cute.jit
     def launch(self, stream: cuda.CUstream, mO: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mdLSE: cute.Tensor | None, mDpsum: cute.Tensor,
-               mLSElog2: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor | None):
+               mLSElog2: cute.Tensor, mdQaccum: cute.Tensor):
         """The launch behind ``__call__``; mdLSE None: no LSE cotangent
         (``FlashBwdPreprocessNoDlse``)."""
-        if const_expr((mdQsem is None) != (self.sem_tile_m is None)):
-            raise TypeError("mdQsem comes with sem_tile_m, and only then")
-        if const_expr(mdQsem is not None and mdQsem.element_type != cutlass.Int32):
-            raise TypeError("the dQ semaphores must be int32")
         if const_expr(mO.element_type != self.dtype or mdO.element_type != self.dtype):
             raise TypeError("O and dO must have the kernel's dtype")
         for t in (mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum):
@@ -339,24 +302,10 @@ class FlashBwdPreprocess:
         )
         # Sq_pad / tile_m blocks cover every row of dQaccum; blocks past Sq only zero.
         grid = (cute.ceil_div(s_pad, self.tile_m), h, b)
-        sdQsem = None if const_expr(mdQsem is None) else bhs_view(mdQsem)  # (num_m, Hq, B)
         self.kernel(
-            sO, sdO, sLSE, sdLSE, sDpsum, sLSElog2, sdQaccum, sdQsem, copy_o, copy_zero, tpr
+            sO, sdO, sLSE, sdLSE, sDpsum, sLSElog2, sdQaccum, copy_o, copy_zero, tpr
         ).launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
                  use_pdl=self.use_pdl)
-
-    @cute.jit
-    def zero_block(self, mdQaccum, copy_zero, tidx, tile_m, m_block, head, batch):
-        """Zero this CTA's block of dQaccum (flat per head), while the loads are in
-        flight."""
-        gdQaccum = cute.local_tile(
-            mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
-        )
-        thr_zero = copy_zero.get_slice(tidx)
-        tZgZ = thr_zero.partition_D(gdQaccum)
-        tZrZ = cute.make_rmem_tensor_like(tZgZ)
-        tZrZ.fill(0.0)
-        cute.copy(copy_zero, tZrZ, tZgZ)
 
     @cute.kernel
     def kernel(
@@ -368,7 +317,6 @@ class FlashBwdPreprocess:
         mDpsum: cute.Tensor,  # (Sq, Hq, B)
         mLSElog2: cute.Tensor,  # (Sq, Hq, B)
         mdQaccum: cute.Tensor,  # (Sq_pad * D, Hq, B)
-        mdQsem: cute.Tensor | None,  # (ceil(Sq / sem_tile_m), Hq, B) int32 (sem_tile_m)
         copy_o: cute.TiledCopy,
         copy_zero: cute.TiledCopy,
         threads_per_row: cutlass.Constexpr[int],
@@ -379,7 +327,7 @@ class FlashBwdPreprocess:
         # still reads.
         pdl_start(self.use_pdl)
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = block_idx_heads_last_first(self.reverse_heads)
+        m_block, head, batch = block_idx_heads_last_first()
         tile_m = self.tile_m
         seqlen = mO.shape[0]
         rows_left = seqlen - m_block * tile_m
@@ -407,19 +355,16 @@ class FlashBwdPreprocess:
                 cute.copy(copy_o, tOgO[None, m, None], tOrO[None, m, None])
                 cute.copy(copy_o, tOgdO[None, m, None], tOrdO[None, m, None])
 
-        if const_expr(self.zero_dq):
-            self.zero_block(mdQaccum, copy_zero, tidx, tile_m, m_block, head, batch)
-        elif const_expr(self.zero_dq_above > 0):
-            if not dq_first_by_length(mdQsem.shape[0], self.sem_tile_m, self.zero_dq_above):
-                self.zero_block(mdQaccum, copy_zero, tidx, tile_m, m_block, head, batch)
-        if const_expr(self.sem_tile_m is not None):
-            # The semaphores of the main kernel's query blocks that start in this
-            # block's rows, one thread each (a block of Sq_pad holds all of them).
-            first = (m_block * tile_m + self.sem_tile_m - 1) // self.sem_tile_m
-            end = ((m_block + 1) * tile_m + self.sem_tile_m - 1) // self.sem_tile_m
-            j = first + tidx
-            if j < end and j < mdQsem.shape[0]:
-                mdQsem[j, head, batch] = cutlass.Int32(0)
+        # Zero this CTA's block of dQaccum (flat per head) while the loads are in
+        # flight.
+        gdQaccum = cute.local_tile(
+            mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
+        )
+        thr_zero = copy_zero.get_slice(tidx)
+        tZgZ = thr_zero.partition_D(gdQaccum)
+        tZrZ = cute.make_rmem_tensor_like(tZgZ)
+        tZrZ.fill(0.0)
+        cute.copy(copy_zero, tZrZ, tZgZ)
 
         # LSE in base 2: one thread per row, coalesced; +inf on padding rows.
         if tidx < tile_m:
@@ -430,7 +375,7 @@ class FlashBwdPreprocess:
                 # A row that saw no key has LSE = -inf; 0 keeps the main kernel's
                 # exp2(s - LSElog2) at 0 instead of NaN. Cannot happen with Sk >= 1
                 # and top-left causal masking, but costs nothing.
-                lse_log2 = lse * _LOG2_E if lse != -Float32.inf else Float32(0.0)
+                lse_log2 = lse * LOG2_E if lse != -Float32.inf else Float32(0.0)
             mLSElog2[stat_position(row, self.stat_block), head, batch] = lse_log2
 
         # Row sums of dO * O in fp32: within a thread, then across the row's lanes.
@@ -461,9 +406,9 @@ class FlashBwdPreprocessNoDlse(FlashBwdPreprocess):
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mO: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDpsum: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQaccum: cute.Tensor, mdQsem: cute.Tensor | None = None):
+                 mdQaccum: cute.Tensor):
         # FlashBwdPreprocess.__call__'s operands without mdLSE.
-        self.launch(stream, mO, mdO, mLSE, None, mDpsum, mLSElog2, mdQaccum, mdQsem)
+        self.launch(stream, mO, mdO, mLSE, None, mDpsum, mLSElog2, mdQaccum)
 
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""Small CuTe DSL helpers the kernels share: dtype mapping, tensor re-views,
-and the sm90 swizzled SMEM operand layout."""
+"""Small CuTe DSL helpers the kernels share: dtype mapping, tensor re-views, the
+sm90 swizzled SMEM operand layout and wgmma helpers, the backward main kernels'
+call, programmatic dependent launch, the dQ semaphores and bulk / TMA copies."""
 
 from __future__ import annotations
 
@@ -124,6 +125,21 @@ def pin_fragment(frag: cute.Tensor) -> None:
         words[i] = _opaque_b32(words[i])
 
 
+def smem_operands(tiled_mma: cute.TiledMma, wg_slice, sA: cute.Tensor, sB: cute.Tensor):
+    """The A and B fragments of warpgroup ``wg_slice``'s share of a wgmma whose
+    operands are both in shared memory (``sA``, ``sB``: tiles, or their stages)."""
+    wg = tiled_mma.get_slice(wg_slice)
+    return (tiled_mma.make_fragment_A(wg.partition_A(sA)),
+            tiled_mma.make_fragment_B(wg.partition_B(sB)))
+
+
+def zero_acc(thr_mma, shape) -> cute.Tensor:
+    """A zeroed fp32 accumulator of this thread's share of a ``shape`` GEMM result."""
+    acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape), cutlass.Float32)
+    acc.fill(0.0)
+    return acc
+
+
 @cute.jit
 def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
                tCrB: cute.Tensor, zero_init: cutlass.Constexpr[bool]):
@@ -144,8 +160,8 @@ def consumer_release_elected(pipe, state) -> None:
     with the arriving lane of each warp chosen by ``elect.sync`` (ELECT: the
     predicate at once) instead of the pipeline's stored ``lane == 0`` test. Inside
     a register-bound loop ptxas keeps no register for that test and re-reads the
-    thread index each step (S2R, a variable-latency read; Nsight Compute put 3.8%
-    of the hdim 128 backward's walk on its first use, eleventh session)."""
+    thread index each step (S2R, a variable-latency read the release then waits
+    for)."""
     if pipe.consumer_mask is not None:
         raise ValueError("consumer_release_elected serves a cluster of one CTA")
     with cute.arch.elect_one():
@@ -162,23 +178,13 @@ def stat_rows_view(t: cute.Tensor, row_multiple: int) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout((s, h, b), stride=(1, s, head_stride)))
 
 
-def _ptx(text: str, operands: list, constraints: str, loc, ip, result=None):
-    """One inline PTX statement ``text`` on ``operands`` (DSL values and pointers,
-    pointers passed as integer addresses), side effects unless it has a ``result``
-    (an LLVM type, then returned)."""
+def _ptx(text: str, operands: list, constraints: str, loc, ip) -> None:
+    """One inline PTX statement ``text`` with side effects on ``operands`` (DSL values
+    and pointers, pointers passed as integer addresses)."""
     values = [(x.toint(loc=loc, ip=ip) if isinstance(x, cute.Pointer) else x)
               .ir_value(loc=loc, ip=ip) for x in operands]
-    return llvm.inline_asm(result, values, text, constraints,
-                           has_side_effects=result is None, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-def _bulk_s2g(ptx: str, dst: cute.Pointer, src: cute.Pointer, num_bytes: int, loc, ip):
-    """One 1-D bulk copy instruction ``ptx`` [dst], [src], num_bytes from SMEM to
-    global memory, in the calling thread's bulk async-group."""
-    if num_bytes % 16:
-        raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
-    _ptx(f"{ptx} [$0], [$1], $2;", [dst, src, Int32(num_bytes)], "l,r,r", loc, ip)
+    llvm.inline_asm(None, values, text, constraints, has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
@@ -190,81 +196,21 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
     addresses 16-byte aligned, num_bytes a multiple of 16. Issue it from one thread:
     every thread that executes it adds once. The DSL has the tensor-map form of
     this instruction only."""
-    _bulk_s2g("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", dst, src,
-              num_bytes, loc, ip)
-
-
-@dsl_user_op
-def bulk_store(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *, loc=None,
-               ip=None) -> None:
-    """dst[:] = src[:]: ``bulk_reduce_add_f32``'s plain-copy twin (any element type),
-    with the same alignment rules and async-group."""
-    _bulk_s2g("cp.async.bulk.global.shared::cta.bulk_group", dst, src, num_bytes, loc, ip)
-
-
-@dsl_user_op
-def bulk_load_g2s(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, mbar: cute.Pointer, *,
-                  loc=None, ip=None) -> None:
-    """dst[:] = src[:]: one 1-D bulk copy of ``num_bytes`` from global memory to this
-    CTA's SMEM, whose arrival completes ``num_bytes`` of the transaction count of the
-    mbarrier at ``mbar`` (arm it with ``mbarrier_arrive_and_expect_tx`` first). Both
-    addresses 16-byte aligned, num_bytes a multiple of 16; issue it from one thread."""
     if num_bytes % 16:
         raise ValueError(f"a bulk copy moves a multiple of 16 bytes, got {num_bytes}")
-    _ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-         "[$0], [$1], $2, [$3];", [dst, src, Int32(num_bytes), mbar], "r,l,r,r", loc, ip)
+    _ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+         [dst, src, Int32(num_bytes)], "l,r,r", loc, ip)
 
 
-@dsl_user_op
-def pack_f32x2(lo, hi, dtype: type[cutlass.Numeric], *, loc=None, ip=None) -> Int32:
-    """Two floats rounded to ``dtype`` (bf16 / fp16, round to nearest even) in one
-    32-bit word, ``lo`` in the low half (the lower address in memory)."""
-    op = {cutlass.BFloat16: "bf16x2", cutlass.Float16: "f16x2"}[dtype]
-    return Int32(_ptx(f"cvt.rn.{op}.f32 $0, $1, $2;",
-                      [cutlass.Float32(hi), cutlass.Float32(lo)], "=r,f,f", loc, ip,
-                      result=T.i32()))
+class BwdMainCall:
+    """The call of a backward main kernel, as the lowering makes it; it runs the
+    kernel's host side, ``launch(stream, mQ, ..., mdQaccum, mdK, mdV[, mdQsem])``.
 
+    A deterministic kernel (``DqSemaphoreCall``) takes one more operand right after
+    mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m)) int32 and zero at launch, one
+    semaphore per query block."""
 
-@dsl_user_op
-def red_add_f32x4(ptr: cute.Pointer, a, b, c, d, *, loc=None, ip=None) -> None:
-    """ptr[0:4] += (a, b, c, d): one 128-bit reduce-add into global memory (PTX
-    ``red.global.add.v4.f32``, sm_90 and later; SASS ``REDG.E.ADD.F32x4``), relaxed,
-    GPU scope, no result. ``ptr`` 16-byte aligned."""
-    _ptx("red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-         [ptr] + [cutlass.Float32(x) for x in (a, b, c, d)], "l,f,f,f,f", loc, ip)
-
-
-@dsl_user_op
-def st_global_b32(ptr: cute.Pointer, value, *, loc=None, ip=None) -> None:
-    """One 32-bit global store of ``value`` (an Int32) at ``ptr`` (4-byte aligned)."""
-    _ptx("st.global.b32 [$0], $1;", [ptr, Int32(value)], "l,r", loc, ip)
-
-
-@dsl_user_op
-def global_timer_halves(*, loc=None, ip=None) -> tuple[Int32, Int32]:
-    """One read of the GPU's nanosecond clock (PTX ``%globaltimer``) as its (low,
-    high) 32-bit halves. Marked as having side effects, so that reads at different
-    points of a kernel stay where they are written."""
-    t = llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
-                        has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
-    t = cutlass.Int64(t)
-    return Int32(t), Int32(t >> 32)
-
-
-@dsl_user_op
-def sm_id(*, loc=None, ip=None) -> Int32:
-    """The SM this CTA runs on (PTX ``%smid``)."""
-    return Int32(_ptx("mov.u32 $0, %smid;", [], "=r", loc, ip, result=T.i32()))
-
-
-class DqSemaphoreCall:
-    """The call of a deterministic backward main kernel (put before the kernel class
-    in the bases): the backward operands with mdQsem, (B, Hq, ceil(Sq / tile_m))
-    int32 and zero at launch, after mdQaccum; it runs the kernel's
-    ``launch(..., mdQsem)``."""
-
-    takes_dq_semaphores = True
+    takes_dq_semaphores = False
 
     @cute.jit
     def __call__(
@@ -274,27 +220,36 @@ class DqSemaphoreCall:
         mK: cute.Tensor,  # (B, Sk, Hkv, D)
         mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
         mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
-        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
+        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, LSE * log2(e); +inf past Sq
+        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, rowsum(dO * O) - dLSE; 0 past Sq
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        mdQsem: cute.Tensor,  # (B, Hq, num_m) int32, zero at launch
-        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        *rest: cute.Tensor,  # mdK (B, Sk, Hkv, D), mdV (B, Sk, Hkv, Dv); first
+        # mdQsem (B, Hq, num_m) int32 with takes_dq_semaphores
     ):
-        if const_expr(mdQsem.element_type != Int32):
-            raise TypeError("the dQ semaphores must be int32")
-        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
+        if const_expr(self.takes_dq_semaphores):
+            mdQsem, mdK, mdV = rest
+            if const_expr(mdQsem.element_type != Int32):
+                raise TypeError("the dQ semaphores must be int32")
+            self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
+        else:
+            mdK, mdV = rest
+            self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
 
-def block_idx_heads_last_first(reverse: bool):
+class DqSemaphoreCall(BwdMainCall):
+    """Put before the class of a deterministic backward main kernel in its bases:
+    its call takes mdQsem (``BwdMainCall``)."""
+
+    takes_dq_semaphores = True
+
+
+def block_idx_heads_last_first():
     """blockIdx of a (query block, head, batch) grid, with head and batch counted from
-    the end when ``reverse`` (Note [Pre / post order] in bwd_preprocess.py): the
-    grid then dispatches the last (batch, head) first. A plain Python switch."""
+    the end (Note [Pre / post order] in bwd_preprocess.py): the grid then dispatches
+    the last (batch, head) first."""
     x, y, z = cute.arch.block_idx()
-    if reverse:
-        _, gy, gz = cute.arch.grid_dim()
-        y, z = gy - 1 - y, gz - 1 - z
-    return x, y, z
+    _, gy, gz = cute.arch.grid_dim()
+    return x, gy - 1 - y, gz - 1 - z
 
 
 def pdl_start(use_pdl: bool) -> None:
@@ -321,31 +276,21 @@ def semaphore_wait(ptr: cute.Pointer, value) -> None:
 
 
 @cute.jit
-def semaphore_wait_at_least(ptr: cute.Pointer, value) -> None:
-    """``semaphore_wait`` until the int32 at ``ptr`` is at least ``value``."""
-    done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    while done < value:
-        done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-    cute.arch.fence_proxy("async.global")
-
-
-@cute.jit
-def semaphore_release_after_bulk(ptr: cute.Pointer, value: cutlass.Constexpr[int] = 1) -> None:
+def semaphore_release_after_bulk(ptr: cute.Pointer) -> None:
     """Wait until this thread's bulk groups have landed in global memory (not only
-    read SMEM), then add ``value`` to the int32 at ``ptr`` with a GPU-scope release."""
+    read SMEM), then add 1 to the int32 at ``ptr`` with a GPU-scope release."""
     cute.arch.cp_async_bulk_wait_group(0, read=False)
     cute.arch.fence_proxy("async.global")
-    cute.arch.atomic_add(ptr, Int32(value), sem="release", scope="gpu")
+    cute.arch.atomic_add(ptr, Int32(1), sem="release", scope="gpu")
 
 
 def stmatrix_acc(acc16: cute.Tensor, tiled_mma: cute.TiledMma, smem: cute.Tensor, tidx,
-                 dtype, transpose: bool = False) -> None:
+                 dtype) -> None:
     """Write this thread's 16-bit copy of a wgmma accumulator into the SMEM tile the
-    tiled MMA covers, with st.matrix (four 8x8 matrices per instruction; transposed,
-    st.matrix .trans, into a tile whose contiguous mode is the MMA's M). The caller
+    tiled MMA covers, with st.matrix (four 8x8 matrices per instruction). The caller
     fences (``fence_view_async_shared``) before a TMA engine reads the tile."""
     atom = cute.make_copy_atom(
-        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
     cute.copy(atom, thr.retile(acc16), thr.partition_D(smem))
 

@@ -1,12 +1,17 @@
-"""What the two sm90 backward main kernels share: their pipelines, the work list of
-a CTA, the load warp, and the joint dQ hand-off.
+"""What the two sm90 backward main kernels share: their constructor and call, the
+operands' views and TMA atoms, the shared memory, the kernel itself up to the
+roles (prologue, work list, role split), the load warp and the score mask.
 
 `FlashBwdSm90` (kernels/sm90_bwd.py, hdim 64 and 128) and `FlashBwdSm90Wide`
-(kernels/sm90_bwd_wide.py, hdim 256) differ in their MMA warpgroups only: both have
-one CTA per (key block, kv head, batch entry), warp 0 loading K and V once and then
-Q, dO, LSElog2 and Dpsum per (query head of the GQA group, query block), and warp 1
-reduce-adding dQ partials into the fp32 accumulator with TMA.
+(kernels/sm90_bwd_wide.py, hdim 256) differ in their MMA warpgroups (``mma``) and
+in how their dQ partials leave (``dq_warp``): both have one CTA per (key block, kv
+head, batch entry), warp 0 loading K and V once and then Q, dO, LSElog2 and Dpsum
+per (query head of the GQA group, query block), and warp 1 reduce-adding dQ
+partials into the fp32 accumulator.
 """
+
+import logging
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -16,49 +21,91 @@ from cutlass.cute.nvgpu import cpasync
 
 from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
 from jax_fa4.kernels.cute_utils import (
+    BwdMainCall,
     check_bwd_operand_dtypes,
+    init_bwd_kernel,
+    pdl_start,
     permute,
     sm90_smem_layout,
     stat_rows_view,
     tma_tile_partition,
 )
 
+log = logging.getLogger(__name__)
+
 # The most dynamic shared memory one CTA may use on sm_90 (227 KiB).
 SM90_MAX_SMEM_BYTES = 227 * 1024
-
-
-def dq_mma_shape(tile_m: int, head_dim: int) -> tuple[int, int]:
-    """The (M, N) of the sm90 backward's dQ GEMM: (tile_m, head_dim), or with a
-    tile_m that is no multiple of 64 (head_dim, tile_m): it computes dQ^T."""
-    return (head_dim, tile_m) if tile_m % 64 else (tile_m, head_dim)
 
 
 def dq_tiled_mma(dtype, tile_m: int, head_dim: int, num_wg: int = 2) -> cute.TiledMma:
     """The tiled MMA of dQ = dS K (tile_m x head_dim, fp32 accumulator) in the sm90
     backward: one 64-row atom per warpgroup, split along m when tile_m has two,
     else along d. A = dS read from the dS^T buffer and B = K^T are both MN-major.
-    A tile_m that is no multiple of 64 (80) computes dQ^T = K^T dS^T instead
-    (``dq_mma_shape``): A = K^T MN-major, B = dS K-major, split along d.
     The postprocess rebuilds it to read the flat dQ accumulator back into the
     same register fragments (Note [Flat dQ accumulator] in dq_layout.py)."""
     import cutlass.utils.hopper_helpers as sm90_utils
 
     mn = cute.nvgpu.OperandMajorMode.MN
-    if tile_m % 64:
-        return sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, mn, cute.nvgpu.OperandMajorMode.K, Float32, (num_wg, 1, 1),
-            (64, tile_m))
     wg_m = tile_m // 64
     wg_n = num_wg // wg_m
     return sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, mn, mn, Float32, (wg_m, wg_n, 1), (64, head_dim // wg_n))
 
 
-class Sm90BwdCommon:
-    """Mixin for the sm90 backward kernels. Needs the attributes tile_m, tile_n,
-    head_dim, head_dim_v, causal, num_mma_threads and tiles.stages_qdo, and the
-    named-barrier ids bar_dq_full (MMA warpgroups -> dQ warp: the dQ partial tile is
-    in SMEM) and bar_dq_empty (dQ warp -> MMA warpgroups: it may be overwritten)."""
+@dataclass
+class Cta:
+    """One CTA of an sm90 backward kernel, as ``Sm90BwdCommon.kernel`` sets it up for
+    its roles (plain Python, read while tracing)."""
+
+    coords: tuple  # (key block, kv head, batch entry)
+    work: tuple  # ``work_list``: (GQA group, first query block, query blocks, items)
+    seqlen_k: object
+    storage: object  # the SharedStorage
+    smem: dict  # SMEM tensors by name
+    layouts: dict  # their layouts by name (the row statistics' as "sRow")
+    pipe_qdo: object  # Q / dO / LSElog2 / Dpsum pipeline
+    pipe_kv: object  # K / V pipeline
+    outs: tuple  # the subclass's arguments of ``kernel``
+    atoms: tuple
+    mmas: tuple
+
+
+class Sm90BwdCommon(BwdMainCall):
+    """Base of the sm90 backward kernels.
+
+    Args:
+      dtype: cutlass.BFloat16 or cutlass.Float16 (Q, K, V, dO, dK, dV).
+      head_dim, head_dim_v: equal, one of the subclass's ``head_dims``.
+      causal: top-left causal mask (query i sees key j <= i).
+      softmax_scale: scale applied to Q K^T (default 1 / sqrt(head_dim)).
+      use_pdl: launched with programmatic dependent launch (``pdl_start``).
+
+    A subclass sets head_dims, tile_m, tile_n, stages_qdo, smem_more (the names of
+    its SMEM tensors besides Q, dO, K, V and the row statistics), the named-barrier
+    ids bar_dq_full (MMA warpgroups -> dQ warp: the dQ partial is in SMEM) and
+    bar_dq_empty (dQ warp -> MMA warpgroups: it may be overwritten), and defines
+    ``launch`` (the host side of the call) and the roles ``dq_warp`` and ``mma``."""
+
+    num_mma_wg = 2
+    num_mma_threads = 128 * num_mma_wg
+    num_threads = 128 + num_mma_threads  # the load / dQ warpgroup and two MMA warpgroups
+    # setmaxnreg: the load / dQ warpgroup gives its registers to the MMA warpgroups.
+    regs_producer = 24
+    regs_mma = 240
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        head_dim_v: int | None = None,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        use_pdl: bool = False,
+    ):
+        init_bwd_kernel(self, type(self).__name__, dtype, head_dim, head_dim_v, self.head_dims,
+                        causal, softmax_scale)
+        self.use_pdl = use_pdl
+        log.debug("%s %s d=%d causal=%s", type(self).__name__, dtype, head_dim, causal)
 
     def operand_views(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV):
         """Check the operands' dtypes and re-view them as the TMA tiles see them:
@@ -73,10 +120,10 @@ class Sm90BwdCommon:
 
     def load_layouts(self):
         """SMEM layouts of what the load warp fills: Q and dO (stages), K, V, and the
-        row statistics, whose stages start 128-byte aligned as a TMA destination must
-        (80 rows take 96 floats). Returns (sQ, sdO, sK, sV, sRow, floats per row stage)."""
+        row statistics, whose stages start 128-byte aligned as a TMA destination must.
+        Returns (sQ, sdO, sK, sV, sRow, floats per row stage)."""
         d, dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
-        st = self.tiles.stages_qdo
+        st = self.stages_qdo
         row_stage = (tm + 31) // 32 * 32
         return (sm90_smem_layout(self.dtype, tm, d, st),
                 sm90_smem_layout(self.dtype, tm, dv, st),
@@ -106,36 +153,118 @@ class Sm90BwdCommon:
                     + cute.size_in_bytes(self.dtype, sV_layout))
         return atoms, bytes_qdo, bytes_kv
 
-    def check_smem(self, storage_cls) -> None:
-        """Refuse at compile time a configuration whose SMEM a CTA cannot have."""
-        smem_bytes = storage_cls.size_in_bytes()
+    def shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, row_stage: int,
+                       **more):
+        """The CTA's shared memory: the pipelines' mbarriers, the row statistics, Q,
+        dO, K and V, then ``more`` (name -> (element type, layout), each 1024-byte
+        aligned). Refused at compile time where it exceeds what a CTA may have."""
+        mr, al = cute.struct.MemRange, cute.struct.Align
+        st = self.stages_qdo
+        fields = {
+            "mbar_qdo": mr[cutlass.Int64, 2 * st],
+            "mbar_kv": mr[cutlass.Int64, 2],
+            "sLSE": al[mr[Float32, row_stage * st], 128],
+            "sDpsum": al[mr[Float32, row_stage * st], 128],
+        }
+        for name, (dtype, layout) in dict(
+                sQ=(self.dtype, sQ_layout), sdO=(self.dtype, sdO_layout),
+                sK=(self.dtype, sK_layout), sV=(self.dtype, sV_layout), **more).items():
+            fields[name] = al[mr[dtype, cute.cosize(layout)], 1024]
+        storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        smem_bytes = storage.size_in_bytes()
         if smem_bytes > SM90_MAX_SMEM_BYTES:
-            raise ValueError(f"{type(self).__name__} with {self.tiles} needs {smem_bytes} "
-                             f"bytes of SMEM, more than the {SM90_MAX_SMEM_BYTES} sm_90 allows")
+            raise ValueError(f"{type(self).__name__} needs {smem_bytes} bytes of SMEM, more "
+                             f"than the {SM90_MAX_SMEM_BYTES} sm_90 allows")
+        return storage
 
-    # K and V land on two mbarriers (stages 0 and 1 of the K/V pipeline) instead of
-    # one, V issued after the first Q / dO item: the first S^T GEMM needs only K and
-    # that item, not V as well (BwdTiles.split_kv). Subclasses set it.
-    split_kv = False
+    def launch_kernel(self, mK, loads, outs, tma_loads, atoms, layouts, mmas, bytes_qdo: int,
+                      bytes_kv: int, SharedStorage, stream) -> None:
+        """Launch ``kernel`` with one CTA per (key block, kv head, batch entry) of K
+        (``mK``: (Sk, D, Hkv, B)), on the subclass's ``grid``."""
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        self.kernel(loads, outs, tma_loads, atoms, layouts, mmas, bytes_qdo, bytes_kv,
+                    SharedStorage).launch(
+            grid=self.grid(num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3])),
+            block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=1, use_pdl=self.use_pdl)
+
+    def grid(self, num_n_blocks, num_kv_heads, batch):
+        return (num_n_blocks, num_kv_heads, batch)
+
+    def cta_coords(self, mQ: cute.Tensor, mK: cute.Tensor):
+        """(key block, kv head, batch entry) of this CTA."""
+        return cute.arch.block_idx()
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        loads: tuple,  # TMA views of Q (Sq, D, Hq, B), K (Sk, D, Hkv, B), V (Sk, Dv, Hkv,
+        # B), dO (Sq, Dv, Hq, B), LSElog2 and Dpsum (Sq_pad, Hq, B) f32
+        outs: tuple,  # the subclass's outputs (its ``launch`` says), dQaccum first
+        tma_loads: tuple,  # the TMA atoms of ``loads``
+        atoms: tuple,  # the subclass's other TMA atoms
+        layouts: tuple,  # SMEM layouts: Q, dO, K, V, the row statistics, ``smem_more``
+        mmas: tuple,  # the subclass's tiled MMAs
+        bytes_qdo: cutlass.Constexpr[int],
+        bytes_kv: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """One CTA: warp 0 prefetches the TMA descriptors, the shared memory and both
+        pipelines are set up, with PDL every thread waits for the kernel before; then
+        the roles split, each walking the CTA's work list: warp 0 ``load``s, warp 1
+        runs the subclass's ``dq_warp``, the MMA warpgroups its ``mma``. setmaxnreg
+        moves the first warpgroup's registers to the MMA warpgroups."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        mQ, mK = loads[0], loads[1]
+        coords = self.cta_coords(mQ, mK)
+        if warp_idx == 0:
+            for atom in tma_loads + atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        pipe_qdo, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
+        names = ("sQ", "sdO", "sK", "sV", "sRow") + self.smem_more
+        by_name = dict(zip(names, layouts, strict=True))
+        smem = {}
+        for name in ("sQ", "sdO", "sK", "sV") + self.smem_more + ("sLSE", "sDpsum"):
+            layout = by_name.get(name, by_name["sRow"])
+            field = getattr(storage, name)
+            if const_expr(isinstance(layout, cute.ComposedLayout)):
+                smem[name] = field.get_tensor(layout.outer, swizzle=layout.inner)
+            else:
+                smem[name] = field.get_tensor(layout)
+        # Everything above only set up SMEM and barriers: no global memory yet.
+        pdl_start(self.use_pdl)
+        cta = Cta(coords=coords, work=self.work_list(coords[0], mQ, mK), seqlen_k=mK.shape[0],
+                  storage=storage, smem=smem, layouts=by_name, pipe_qdo=pipe_qdo,
+                  pipe_kv=pipe_kv, outs=outs, atoms=atoms, mmas=mmas)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:
+                self.load(cta, loads, tma_loads)
+            if warp_idx == 1:
+                self.dq_warp(cta)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_mma)
+            self.mma(cta, tidx - 128)
 
     def make_pipelines(self, storage, bytes_qdo: int, bytes_kv: int):
-        """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0.
-        With ``split_kv`` the K/V pipeline has two single-use stages, K then V, of
-        half the bytes each (the kernels that set it have head_dim == head_dim_v)."""
+        """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # One arrive per consumer warp (the pipeline elects lane 0 of each warp).
         consumer_group = pipeline.CooperativeGroup(
             pipeline.Agent.Thread, self.num_mma_threads // 32)
         pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.tiles.stages_qdo,
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.stages_qdo,
             producer_group=producer_group, consumer_group=consumer_group,
             tx_count=bytes_qdo, defer_sync=True)
         # This one fences and syncs the CTA after both pipelines' mbarrier inits.
-        split = self.split_kv
         pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=2 if split else 1,
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
             producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_kv // 2 if split else bytes_kv, defer_sync=False)
+            tx_count=bytes_kv, defer_sync=False)
         return pipe_qdo, pipe_kv
 
     def work_list(self, n_block, mQ: cute.Tensor, mK: cute.Tensor):
@@ -152,64 +281,44 @@ class Sm90BwdCommon:
         num_m = m_block_max - m_block_min
         return group, m_block_min, num_m, num_m * group
 
-    # The CTA's walk rotation (BwdTiles.rotate_walk): None, or (rot, num_iters) as
-    # DSL values, set by the kernel before its roles split.
-    walk_rot = None
-
     def work_item(self, it, head_kv, group, m_block_min, num_m):
-        """(query head, query block) of work item ``it`` (of the rotated walk, with
-        ``walk_rot``: item (it + rot) mod num_iters of the list)."""
-        if const_expr(self.walk_rot is not None):
-            rot, total = self.walk_rot
-            it = it + rot
-            it = cutlass.select_(it >= total, it - total, it)
+        """(query head, query block) of work item ``it``."""
         h_off = it // num_m
         return head_kv * group + h_off, m_block_min + it - h_off * num_m
 
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
-             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
-             pipe_qdo, pipe_kv, n_block, head_kv, batch, group, m_block_min, num_m,
-             num_iters, state=None, kv_round=None):
+    def load(self, cta, loads, tma_loads):
         """Warp 0: K and V of this block once, then Q, dO and their row statistics
-        per work item (one mbarrier transaction per item); returns the Q/dO producer
-        state. A persistent walk passes that state and kv_round, the number of tiles
-        this CTA walked before: K and V then load after the first items' Q and dO
-        (the K/V buffers are freed only by the previous tile's dK / dV stores, the Q
-        / dO stages earlier), and also for a tile with no work items, whose epilogue
-        still stores zeros."""
+        per work item (one mbarrier transaction per item)."""
+        mQ, mK, mV, mdO, mLSElog2, mDpsum = loads
+        tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum = tma_loads
+        n_block, head_kv, batch = cta.coords
+        group, m_block_min, num_m, num_iters = cta.work
+        smem, pipe_qdo, pipe_kv = cta.smem, cta.pipe_qdo, cta.pipe_kv
         tm, tn = self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
-        tKsK, tKgK = tma_tile_partition(tma_K, sK, gK)
-        tVsV, tVgV = tma_tile_partition(tma_V, sV, gV)
-        kv_pre = Int32(0)
-        if const_expr(kv_round is not None):
-            # K and V go after item kv_pre: the first min(stages, items) items' Q
-            # and dO go first.
-            kv_pre = cutlass.min(self.tiles.stages_qdo, num_iters) - 1
-        elif num_iters > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                    2 if const_expr(self.split_kv) else 1)
+        tKsK, tKgK = tma_tile_partition(tma_K, smem["sK"], gK)
+        tVsV, tVgV = tma_tile_partition(tma_V, smem["sV"], gV)
+        if num_iters > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
             cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            if const_expr(not self.split_kv):
-                cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
-        if const_expr(state is None):
-            state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.tiles.stages_qdo)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.stages_qdo)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
             gLSE = cute.local_tile(mLSElog2[None, head_q, batch], (tm,), (None,))
             gDpsum = cute.local_tile(mDpsum[None, head_q, batch], (tm,), (None,))
-            tQsQ, tQgQ = tma_tile_partition(tma_Q, sQ, gQ)
-            tdOsdO, tdOgdO = tma_tile_partition(tma_dO, sdO, gdO)
-            tLsL, tLgL = tma_tile_partition(tma_LSE, sLSE, gLSE, rank=1)
-            tDsD, tDgD = tma_tile_partition(tma_Dpsum, sDpsum, gDpsum, rank=1)
+            tQsQ, tQgQ = tma_tile_partition(tma_Q, smem["sQ"], gQ)
+            tdOsdO, tdOgdO = tma_tile_partition(tma_dO, smem["sdO"], gdO)
+            tLsL, tLgL = tma_tile_partition(tma_LSE, smem["sLSE"], gLSE, rank=1)
+            tDsD, tDgD = tma_tile_partition(tma_Dpsum, smem["sDpsum"], gDpsum, rank=1)
             pipe_qdo.producer_acquire(state)
             bar = pipe_qdo.producer_get_barrier(state)
             s = state.index
@@ -218,46 +327,40 @@ class Sm90BwdCommon:
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
             cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
             state.advance()
-            if const_expr(self.split_kv):
-                if it == 0:  # V (stage 1) after the first item
-                    v_state = pipeline.PipelineState(2, Int32(1), Int32(1), Int32(1))
-                    pipe_kv.producer_acquire(v_state)
-                    cute.copy(tma_V, tVgV, tVsV,
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(v_state))
-            if const_expr(kv_round is not None):
-                if it == kv_pre:
-                    self.load_kv_round(pipe_kv, kv_round, tma_K, tKgK, tKsK, tma_V, tVgV, tVsV)
-        if const_expr(kv_round is not None):
-            if num_iters == 0:
-                self.load_kv_round(pipe_kv, kv_round, tma_K, tKgK, tKsK, tma_V, tVgV, tVsV)
-        return state
 
     @cute.jit
-    def load_kv_round(self, pipe_kv, kv_round, tma_K, tKgK, tKsK, tma_V, tVgV, tVsV):
-        """K and V of a persistent walk's tile kv_round on the one-stage K/V
-        pipeline: its producer phase alternates from 1 (the first acquire passes)."""
-        kv_state = pipeline.PipelineState(1, kv_round, Int32(0), (kv_round + 1) % 2)
-        pipe_kv.producer_acquire(kv_state)
-        cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+    def mma_start(self, pipe_kv, num_iters):
+        """MMA warpgroups, before the walk: wait for K and V (loaded only if there
+        is work); returns the first Q / dO consumer state."""
+        if num_iters > 0:
+            pipe_kv.consumer_wait(
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                            self.stages_qdo)
 
     @cute.jit
-    def store_dq_joint(self, mdQaccum, sdQ, tma_dQ, head_kv, batch, group, m_block_min,
-                       num_m, num_iters):
-        """Warp 1: reduce-add each (tile_m x d) dQ partial tile, written by both MMA
-        warpgroups together, from SMEM into mdQaccum (fp32)."""
-        tm, d = self.tile_m, self.head_dim
-        nthr = self.num_mma_threads + 32
-        for it in cutlass.range(num_iters, unroll=1):
-            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
-            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
-            tsdQ, tgdQ = tma_tile_partition(tma_dQ, sdQ, gdQ)
-            # The SMEM tile is free (the previous reduce has read it): let the MMA
-            # warpgroups write the next partial.
-            cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)
-            cute.arch.barrier(barrier_id=self.bar_dq_full, number_of_threads=nthr)
-            cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # The reduce-adds must land before the kernel ends.
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+    def mask_scores(self, S, tScS, keys: cutlass.Constexpr[int], m_block, n_block, key_limit):
+        """S = -inf (P = 0) where the key is past seqlen_k (``key_limit`` keys of the
+        block are valid) or, causal, after the query. S, tScS: (rows, cols) views of
+        a thread's scores and their (row, col) coordinates in the block; ``keys``:
+        the mode of the keys (0 for S^T, 1 for S). Only blocks holding such a key pay
+        for the test: valid is key < min(key_limit, query - key0 + 1) in block
+        coordinates, and the block's first query has the smallest causal limit."""
+        queries = 1 - keys
+        causal_off = m_block * self.tile_m - n_block * self.tile_n + 1
+        first_limit = key_limit
+        if const_expr(self.causal):
+            first_limit = cutlass.min(key_limit, causal_off)
+        if first_limit < self.tile_n:
+            for q in cutlass.range_constexpr(cute.size(tScS, mode=[queries])):
+                limit = key_limit
+                if const_expr(self.causal):
+                    limit = cutlass.min(limit, tScS[_at(keys, 0, q)][queries] + causal_off)
+                for k in cutlass.range_constexpr(cute.size(tScS, mode=[keys])):
+                    at = _at(keys, k, q)
+                    S[at] = S[at] if tScS[at][keys] < limit else -Float32.inf
+
+
+def _at(keys: int, k: int, q: int) -> tuple[int, int]:
+    """The (row, col) of key k, query q in a view whose mode ``keys`` holds the keys."""
+    return (k, q) if keys == 0 else (q, k)

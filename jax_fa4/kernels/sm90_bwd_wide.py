@@ -7,7 +7,8 @@ queries) of every query head of its GQA group, so dK and dV stay in registers fo
 the whole walk (deterministic, no dK/dV atomics). dQ partials (sum over this CTA's
 keys of dS K) are reduce-added into the fp32 accumulator by TMA.
 
-Warp roles (384 threads):
+Warp roles (384 threads; everything but the MMA warpgroups and the dQ warp is
+shared with `FlashBwdSm90` in sm90_bwd_common.py):
   warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
                         query block, one pipeline stage)
                 warp 1: TMA reduce-add of the dQ partial tile into mdQaccum
@@ -60,7 +61,7 @@ ptxas spilled. Within a 128-byte row a thread's four float2 sit in four differen
 only change address bits the swizzle neither reads nor writes. So
 `_store_dq_smem` swizzles four base offsets and stores everything else at
 immediate offsets from them (checked for every thread and register by
-tests/test_kernels_sm90_bwd_wide_compile.py).
+tests/test_kernels_sm90_bwd_compile.py).
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones past
@@ -71,10 +72,6 @@ dQaccum (whose Sq_pad rows keep every 64-row reduce in bounds). Keys past seqlen
 contain any; their dK/dV rows are never stored (predicated epilogue).
 """
 
-import logging
-import math
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -82,47 +79,22 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
 from jax_fa4.kernels.cute_utils import (
-    init_bwd_kernel,
-    pdl_start,
     permute,
     sm90_smem_layout,
+    smem_operands,
+    tma_tile_partition,
     transpose_smem,
     wgmma_gemm,
+    zero_acc,
 )
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
-from jax_fa4.kernels.softmax import acc_mn_view
-
-log = logging.getLogger(__name__)
-
-LOG2_E = math.log2(math.e)
-
+from jax_fa4.kernels.softmax import LOG2_E, acc_mn_view
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_P = 1  # both MMA warpgroups: P of this query block is in SMEM
 _BAR_DS = 2  # both MMA warpgroups: dS of this query block is in SMEM
 # The dQ hand-off (Sm90BwdCommon): FlashBwdSm90Wide.bar_dq_full = 3, bar_dq_empty = 4.
-
-
-@dataclass(frozen=True)
-class BwdTilesWide:
-    """Tuning knobs of the wide backward kernel; field names match sm90_bwd.BwdTiles
-    so either may be passed as `tiles`. Only the values below fit in SMEM."""
-
-    tile_m: int = 64  # query rows per block
-    tile_n: int = 64  # key rows per CTA (32 per MMA warpgroup in S and dP)
-    stages_qdo: int = 1  # Q/dO/LSE/Dpsum SMEM pipeline depth
-    regs_producer: int = 24  # setmaxnreg for the load/store warpgroup
-    regs_mma: int = 240  # setmaxnreg for each MMA warpgroup
-
-
-def bwd_tiles_wide(head_dim: int, causal: bool) -> BwdTilesWide:
-    """FA3's sm90 hdim-256 backward tiles: 64 x 64, one Q/dO stage."""
-    del causal  # same tiles; causal skips whole blocks and masks the diagonal ones
-    if head_dim != 256:
-        raise ValueError(f"the wide sm90 backward supports head_dim 256, got {head_dim}")
-    return BwdTilesWide()
 
 
 # See Note [dQ SMEM addresses]. In a thread's accumulator, register (e, i, jp + 4 jj)
@@ -172,45 +144,20 @@ def _store_dq_smem(acc: cute.Tensor, tCcC: cute.Tensor, sdQ_base: cute.Pointer,
 class FlashBwdSm90Wide(Sm90BwdCommon):
     """Backward main kernel for sm_90a at head dim 256; see the module docstring.
 
-    Same constructor and call signature as `FlashBwdSm90`.
+    Same constructor and call as `FlashBwdSm90`. FA3's sm90 hdim-256 backward tiles:
+    64 x 64 and one Q/dO stage, the only ones that fit in SMEM (Note [Wide shared
+    memory]); the mask changes only which blocks run and which are masked.
 
-    Args:
-      dtype: cutlass.BFloat16 or cutlass.Float16 (Q, K, V, dO, dK, dV).
-      head_dim, head_dim_v: 256, equal.
-      causal: top-left causal mask (query i sees key j <= i).
-      softmax_scale: scale applied to Q K^T.
-      tiles: BwdTilesWide (or an object with the same fields); only the defaults fit.
+    Args: as ``Sm90BwdCommon``; head_dim = head_dim_v = 256.
     """
 
+    head_dims = (256,)
+    smem_more = ("sP", "sdS", "sdQ")
     bar_dq_full = 3
     bar_dq_empty = 4
-
-    def __init__(
-        self,
-        dtype: type[cutlass.Numeric],
-        head_dim: int,
-        head_dim_v: int | None = None,
-        causal: bool = False,
-        softmax_scale: float | None = None,
-        tiles: BwdTilesWide | None = None,
-        use_pdl: bool = False,
-    ):
-        init_bwd_kernel(self, "the wide sm90 backward", dtype, head_dim, head_dim_v, (256,), causal,
-                        softmax_scale)
-        # Launched with programmatic dependent launch (``pdl_start``).
-        self.use_pdl = use_pdl
-        self.tiles = bwd_tiles_wide(head_dim, causal) if tiles is None else tiles
-        t = self.tiles
-        self.tile_m, self.tile_n = t.tile_m, t.tile_n
-        if (self.tile_m, self.tile_n, t.stages_qdo) != (64, 64, 1):
-            raise ValueError(f"the wide sm90 backward needs tile_m = tile_n = 64 and one "
-                             f"Q/dO stage (SMEM budget), got {t}")
-        if SEQLEN_Q_PAD % self.tile_m:
-            raise ValueError("tile_m must divide SEQLEN_Q_PAD")
-        self.num_mma_wg = 2
-        self.num_mma_threads = 128 * self.num_mma_wg
-        self.num_threads = 128 + self.num_mma_threads
-        log.debug("FlashBwdSm90Wide %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
+    tile_m = 64  # query rows per block
+    tile_n = 64  # key rows per CTA (32 per MMA warpgroup in S and dP)
+    stages_qdo = 1  # Q / dO / LSElog2 / Dpsum pipeline stages
 
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
@@ -235,22 +182,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         return mma_sdp, mma_dkv, mma_dq
 
     @cute.jit
-    def __call__(
-        self,
-        stream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, LSE * log2(e); +inf past Sq
-        mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, rowsum(dO * O) - dLSE; 0 past Sq
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-    ):
+    def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
+               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
+        """The host side of the call (``BwdMainCall``)."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
-        st = self.tiles.stages_qdo
         mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
             mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
@@ -271,126 +208,54 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (tm, d))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
-            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, row_stage * st], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            sdS: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
-
-        self.check_smem(SharedStorage)
-
-        num_n_blocks = cute.ceil_div(mK.shape[0], tn)
-        grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
-        self.kernel(
-            gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum, gmem_dQ, mdK, mdV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sP_layout, sdS_layout, sdQ_layout,
-            sRow_layout, mma_sdp, mma_dkv, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
-        ).launch(
-            grid=grid,
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-            use_pdl=self.use_pdl,
-        )
+        SharedStorage = self.shared_storage(
+            sQ_layout, sdO_layout, sK_layout, sV_layout, row_stage, sP=(self.dtype, sP_layout),
+            sdS=(self.dtype, sdS_layout), sdQ=(Float32, sdQ_layout))
+        self.launch_kernel(
+            mK, (gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum), (gmem_dQ, mdK, mdV),
+            (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum), (tma_dQ,),
+            (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, sP_layout, sdS_layout,
+             sdQ_layout),
+            (mma_sdp, mma_dkv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream)
 
     # ---------------------------------------------------------------- device side
-    @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,  # TMA view (Sq, D, Hq, B)
-        mK: cute.Tensor,  # TMA view (Sk, D, Hkv, B)
-        mV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
-        mdO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
-        mLSElog2: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
-        mDpsum: cute.Tensor,  # TMA view (Sq_pad, Hq, B) f32
-        mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
-        mdK: cute.Tensor,  # (Sk, D, Hkv, B)
-        mdV: cute.Tensor,  # (Sk, Dv, Hkv, B)
-        tma_Q: cute.CopyAtom,
-        tma_K: cute.CopyAtom,
-        tma_V: cute.CopyAtom,
-        tma_dO: cute.CopyAtom,
-        tma_LSE: cute.CopyAtom,
-        tma_Dpsum: cute.CopyAtom,
-        tma_dQ: cute.CopyAtom,
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.ComposedLayout,
-        sRow_layout: cute.Layout,
-        mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
-        mma_dq: cute.TiledMma,
-        bytes_qdo: cutlass.Constexpr[int],
-        bytes_kv: cutlass.Constexpr[int],
-        SharedStorage: cutlass.Constexpr,
-    ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = cute.arch.block_idx()
-
-        if warp_idx == 0:
-            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum, tma_dQ):
-                cpasync.prefetch_descriptor(atom)
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-
-        pipe_qdo, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
-
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        sLSE = storage.sLSE.get_tensor(sRow_layout)
-        sDpsum = storage.sDpsum.get_tensor(sRow_layout)
-
-        # Everything above only set up SMEM and barriers: no global memory yet.
-        pdl_start(self.use_pdl)
-        seqlen_k = mK.shape[0]
-        group, m_block_min, num_m, num_iters = self.work_list(n_block, mQ, mK)
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.tiles.regs_producer)
-            if warp_idx == 0:
-                self.load(mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ, sK, sV, sdO, sLSE, sDpsum,
-                          tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum,
-                          pipe_qdo, pipe_kv, n_block, head_kv, batch, group,
-                          m_block_min, num_m, num_iters)
-            if warp_idx == 1:
-                self.store_dq_joint(mdQaccum, sdQ, tma_dQ, head_kv, batch, group,
-                                    m_block_min, num_m, num_iters)
-        else:
-            cute.arch.setmaxregister_increase(self.tiles.regs_mma)
-            self.mma(mdK, mdV, sQ, sK, sV, sdO, sP, sdS, storage.sdQ.data_ptr(), sdQ_layout,
-                     sLSE, sDpsum,
-                     mma_sdp, mma_dkv, mma_dq, pipe_qdo, pipe_kv,
-                     tidx - 128, n_block, head_kv, batch, seqlen_k,
-                     m_block_min, num_m, num_iters)
+    @cute.jit
+    def dq_warp(self, cta):
+        """Warp 1: reduce-add each (tile_m x d) dQ partial tile, written by both MMA
+        warpgroups together, from SMEM into mdQaccum (fp32) with a TMA tensor reduce."""
+        mdQaccum = cta.outs[0]
+        (tma_dQ,) = cta.atoms
+        _, head_kv, batch = cta.coords
+        group, m_block_min, num_m, num_iters = cta.work
+        tm, d = self.tile_m, self.head_dim
+        nthr = self.num_mma_threads + 32
+        for it in cutlass.range(num_iters, unroll=1):
+            head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
+            tsdQ, tgdQ = tma_tile_partition(tma_dQ, cta.smem["sdQ"], gdQ)
+            # The SMEM tile is free (the previous reduce has read it): let the MMA
+            # warpgroups write the next partial.
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)
+            cute.arch.barrier(barrier_id=self.bar_dq_full, number_of_threads=nthr)
+            cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # The reduce-adds must land before the kernel ends.
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def mma(self, mdK, mdV, sQ, sK, sV, sdO, sP, sdS, sdQ_base, sdQ_layout, sLSE, sDpsum,
-            mma_sdp, mma_dkv, mma_dq, pipe_qdo, pipe_kv,
-            tidx, n_block, head_kv, batch, seqlen_k, m_block_min, num_m, num_iters):
-        """MMA warpgroups: all GEMMs and the pointwise math; dK/dV epilogue."""
+    def mma(self, cta, tidx):
+        """MMA warpgroups (``tidx`` counted from their first thread): all GEMMs and
+        the pointwise math; dK/dV epilogue."""
+        sdQ_base = cta.storage.sdQ.data_ptr()
+        sdQ_layout = cta.layouts["sdQ"]
+        sQ, sdO, sK, sV, sP, sdS, _, sLSE, sDpsum = cta.smem.values()
+        _, mdK, mdV = cta.outs
+        mma_sdp, mma_dkv, mma_dq = cta.mmas
+        pipe_qdo, pipe_kv = cta.pipe_qdo, cta.pipe_kv
+        n_block, head_kv, batch = cta.coords
+        _, m_block_min, num_m, num_iters = cta.work
+        seqlen_k = cta.seqlen_k
         tm, tn = self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -398,32 +263,20 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         scale_log2 = self.softmax_scale * LOG2_E
 
         # wgmma A/B operands are partitioned per warpgroup; C per thread.
-        thr_sdp = mma_sdp.get_slice(tidx)
-        wg_sdp = mma_sdp.get_slice(wg_slice)
-        wg_dkv = mma_dkv.get_slice(wg_slice)
-        wg_dq = mma_dq.get_slice(wg_slice)
-        thr_dkv = mma_dkv.get_slice(tidx)
-        thr_dq = mma_dq.get_slice(tidx)
-
+        thr_sdp, thr_dkv, thr_dq = [m.get_slice(tidx) for m in cta.mmas]
         # S = Q K^T and dP = dO V^T.
-        tSrQ = mma_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = mma_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = mma_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = mma_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        tSrQ, tSrK = smem_operands(mma_sdp, wg_slice, sQ, sK)
+        tdPrdO, tdPrV = smem_operands(mma_sdp, wg_slice, sdO, sV)
         # dV^T = dO^T P: A = dO^T (dv x tile_m), B = P^T (tile_n x tile_m), MN-major.
-        tdVrdOt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdO)))
-        tdVrPt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sP)))
+        tdVrdOt, tdVrPt = smem_operands(mma_dkv, wg_slice, transpose_smem(sdO),
+                                        transpose_smem(sP))
         # dK^T = Q^T dS: A = Q^T (d x tile_m), B = dS^T (tile_n x tile_m), MN-major.
-        tdKrQt = mma_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sQ)))
-        tdKrdSt = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdS)))
+        tdKrQt, tdKrdSt = smem_operands(mma_dkv, wg_slice, transpose_smem(sQ),
+                                        transpose_smem(sdS))
         # dQ = dS K: A = dS (tile_m x tile_n) K-major, B = K^T (d x tile_n) MN-major.
-        tdQrdS = mma_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = mma_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
-
-        acc_dKt = cute.make_rmem_tensor(thr_dkv.partition_shape_C((d, tn)), Float32)
-        acc_dVt = cute.make_rmem_tensor(thr_dkv.partition_shape_C((dv, tn)), Float32)
-        acc_dKt.fill(0.0)
-        acc_dVt.fill(0.0)
+        tdQrdS, tdQrKt = smem_operands(mma_dq, wg_slice, sdS, transpose_smem(sK))
+        acc_dKt = zero_acc(thr_dkv, (d, tn))
+        acc_dVt = zero_acc(thr_dkv, (dv, tn))
 
         # (query, key) of each accumulator element of S, as (rows, cols).
         tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tm, tn))))
@@ -442,13 +295,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
         dq_threads = self.num_mma_threads + 32
         key_limit = seqlen_k - n_block * tn
-
-        if num_iters > 0:
-            pipe_kv.consumer_wait(
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.tiles.stages_qdo)
+        state = self.mma_start(pipe_kv, num_iters)
         for it in cutlass.range(num_iters, unroll=1):
             _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
@@ -468,22 +315,8 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
                 dpsum[r] = sDpsum[tScS[r, 0][0], stage]
             warpgroup.wait_group(1)  # S done
 
-            # Keys past seqlen_k and (causal) keys after the query: S = -inf. Valid
-            # is key < min(key_limit, query + causal_off) in block coordinates; the
-            # block's first query has the smallest causal limit, so only blocks
-            # where that limit is below tile_n pay for the test.
             S = acc_mn_view(acc_S)
-            causal_off = m_block * tm - n_block * tn + 1
-            first_limit = key_limit
-            if const_expr(self.causal):
-                first_limit = cutlass.min(key_limit, causal_off)
-            if first_limit < tn:
-                for r in cutlass.range_constexpr(n_rows):
-                    limit = key_limit
-                    if const_expr(self.causal):
-                        limit = cutlass.min(limit, tScS[r, 0][0] + causal_off)
-                    for c in cutlass.range_constexpr(n_cols):
-                        S[r, c] = S[r, c] if tScS[r, c][1] < limit else -Float32.inf
+            self.mask_scores(S, tScS, 1, m_block, n_block, key_limit)
             # P = exp2(S * scale * log2 e - LSElog2[query]); exp2(-inf) = 0.
             for r in cutlass.range_constexpr(n_rows):
                 for c in cutlass.range_constexpr(n_cols):
@@ -497,7 +330,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             p_bar.arrive_and_wait()
             # dV^T runs on the tensor cores while dS is computed.
             wgmma_gemm(mma_dkv, acc_dVt, tdVrdOt[None, None, None, stage],
-                  tdVrPt[None, None, None, buf], zero_init=False)
+                       tdVrPt[None, None, None, buf], zero_init=False)
             warpgroup.wait_group(1)  # dP done (dV^T may still run)
 
             dP = acc_mn_view(acc_dP)
@@ -515,7 +348,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             # dK^T before dQ: Q and dO are then free as soon as dK^T is done, so the
             # next block's Q/dO load overlaps the dQ GEMM and its SMEM hand-off.
             wgmma_gemm(mma_dkv, acc_dKt, tdKrQt[None, None, None, stage], tdKrdSt,
-                  zero_init=False)
+                       zero_init=False)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
             wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
 
