@@ -73,7 +73,6 @@ class BwdPlan:
         """(Dpsum, LSElog2, dQaccum) structs for one call."""
         from jax_fa4.kernels.bwd_preprocess import bwd_workspace_shapes
 
-        # An 80-row flat query tile's last block may reach past round_up(Sq, 128).
         ws = bwd_workspace_shapes(batch, seqlen_q, heads_q, self.main.head_dim,
                                   tile_m=self.post.dq_tile_m or None)
         return tuple(jax.ShapeDtypeStruct(*ws[n]) for n in ("Dpsum", "LSElog2", "dQaccum"))
