@@ -179,3 +179,21 @@ def assert_pdl_chained(sass: str) -> None:
     assert before == 0, f"{before} global-memory instructions before the PDL wait"
     assert accesses, "no global-memory instruction found (pattern broken?)"
     assert any(re.search(r"\bPREEXIT\b", ln) for ln in lines), "no launch_dependents"
+
+
+def exp2s_between_waits(sass: str) -> list[int]:
+    """For each partial wgmma wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: one group
+    still in flight), the number of exp2s before the next full wait (``0x0``): the
+    exp2 work that overlaps the last wgmma group (the forward's P V, Note [P V
+    wait])."""
+    lines = sass.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+            for later in lines[i + 1:]:
+                if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in later:
+                    break
+                n += "MUFU.EX2" in later
+            out.append(n)
+    return out

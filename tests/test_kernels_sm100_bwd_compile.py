@@ -85,8 +85,7 @@ def test_bwd_ptx_sass(tmp_path, head_dim):
 
 
 @needs_cutlass
-@pytest.mark.slow
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [128])  # hdim 64's tiles are the same construction
 def test_operand_views_alias(head_dim):
     """Every SMEM tile is written once and read by two MMAs through two layouts
     (K-major and MN-major, or the compute warps' (key, query) view): check on a

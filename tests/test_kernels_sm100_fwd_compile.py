@@ -66,9 +66,7 @@ def test_fwd_lowers_to_custom_call(sm100, dtype, d, causal):
     "shape",
     [
         (1, 1, 1, 1, 1),  # seqlen 1
-        (1, 17, 17, 6, 3),  # GQA ratio 2, one partial tile
-        (2, 4097, 4097, 4, 1),  # MQA, one row past a multiple of 256
-        (1, 300, 40, 2, 2),  # Sq > Sk
+        (2, 4097, 1000, 4, 1),  # MQA, one row past a multiple of 256, Sq > Sk
     ],
 )
 def test_fwd_odd_shapes_lower(sm100, shape):
