@@ -48,31 +48,28 @@ from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p
 LOAD_BALANCE = (None, "zigzag")
 
 
+def _zigzag_chunks(x: jax.Array, num_devices: int, axis: int):
+    """x cut into 2n chunks along ``axis``, and the zigzag order of the chunks."""
+    n = num_devices
+    if x.shape[axis] % (2 * n):
+        raise ValueError(f"zigzag needs the sequence ({x.shape[axis]}) to divide into "
+                         f"2 x {n} chunks")
+    return jnp.split(x, 2 * n, axis=axis), [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+
+
 def to_zigzag(x: jax.Array, num_devices: int, axis: int = 1) -> jax.Array:
     """A global array in sequence order -> the zigzag order (Note [Zigzag layout]):
     sharding ``axis`` evenly over ``num_devices`` then gives device r the chunks r and
     2n - 1 - r. The sequence length must divide into 2n chunks."""
-    n = num_devices
-    s = x.shape[axis]
-    if s % (2 * n):
-        raise ValueError(f"zigzag needs the sequence ({s}) to divide into 2 x {n} chunks")
-    chunks = jnp.split(x, 2 * n, axis=axis)
-    order = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+    chunks, order = _zigzag_chunks(x, num_devices, axis)
     return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
 
 def from_zigzag(x: jax.Array, num_devices: int, axis: int = 1) -> jax.Array:
     """The inverse of :func:`to_zigzag`."""
-    n = num_devices
-    s = x.shape[axis]
-    if s % (2 * n):
-        raise ValueError(f"zigzag needs the sequence ({s}) to divide into 2 x {n} chunks")
-    chunks = jnp.split(x, 2 * n, axis=axis)
-    order = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
-    inverse = [0] * (2 * n)
-    for pos, c in enumerate(order):
-        inverse[c] = pos
-    return jnp.concatenate([chunks[inverse[c]] for c in range(2 * n)], axis=axis)
+    chunks, order = _zigzag_chunks(x, num_devices, axis)
+    position = {c: i for i, c in enumerate(order)}
+    return jnp.concatenate([chunks[position[c]] for c in range(len(order))], axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)

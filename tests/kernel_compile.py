@@ -3,7 +3,7 @@ on this CPU machine, for a given target, with dynamic batch / sequence / head
 extents, and read its PTX / SASS dumps.
 
 The DSL keeps one compile target per process; `lower` pins it for the one
-compile and restores it, so test modules can run in any order in one session.
+compile and restores it, so test modules can run in any order in one pytest process.
 """
 
 from __future__ import annotations

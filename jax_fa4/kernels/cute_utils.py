@@ -202,6 +202,35 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
          [dst, src, Int32(num_bytes)], "l,r,r", loc, ip)
 
 
+class FwdCall:
+    """The call of a forward kernel, as the lowering makes it; it runs the kernel's
+    host side, ``launch(stream, mQ, mK, mV, mO, mLSE[, mTileCounter])``.
+
+    A kernel with ``takes_tile_counter`` (the sm90 causal persistent forward) takes
+    one more operand right after V: a (1,) int32 tile counter, zero at launch."""
+
+    takes_tile_counter = False
+
+    @cute.jit
+    def __call__(
+        self,
+        stream,
+        mQ: cute.Tensor,  # (B, Sq, Hq, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
+        *rest: cute.Tensor,  # mO (B, Sq, Hq, Dv), mLSE (B, Hq, Sq) f32; first
+        # mTileCounter (1,) int32 with takes_tile_counter
+    ):
+        if const_expr(self.takes_tile_counter):
+            mTileCounter, mO, mLSE = rest
+            if const_expr(mTileCounter.element_type != Int32):
+                raise TypeError("the tile counter must be int32")
+            self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter)
+        else:
+            mO, mLSE = rest
+            self.launch(stream, mQ, mK, mV, mO, mLSE)
+
+
 class BwdMainCall:
     """The call of a backward main kernel, as the lowering makes it; it runs the
     kernel's host side, ``launch(stream, mQ, ..., mdQaccum, mdK, mdV[, mdQsem])``.

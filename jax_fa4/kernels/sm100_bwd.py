@@ -69,6 +69,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    BwdMainCall,
     DqSemaphoreCall,
     check_bwd_operand_dtypes,
     init_bwd_kernel,
@@ -164,7 +165,7 @@ def _umma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
         cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
 
 
-class FlashBwdSm100:
+class FlashBwdSm100(BwdMainCall):
     """Backward main kernel for sm_100a; see the module docstring and docs/design.md.
 
     Compiled for sm_100a, not run on hardware.
@@ -178,8 +179,6 @@ class FlashBwdSm100:
       deterministic: add each query block's dQ partials in a fixed key-block order
         (``FlashBwdSm100Deterministic``, which takes the semaphores).
     """
-
-    takes_dq_semaphores = False
 
     def __init__(
         self,
@@ -242,31 +241,15 @@ class FlashBwdSm100:
         return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), tilers
 
     @cute.jit
-    def __call__(
-        self,
-        stream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mdO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32, LSE * log2(e)
-        mDpsum: cute.Tensor,  # (B, Hq, Sq) f32, rowsum(dO * O) - dLSE
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mdV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-    ):
-        if const_expr(self.deterministic):
-            raise TypeError("the deterministic backward takes the dQ semaphores: call "
-                            "FlashBwdSm100Deterministic")
-        self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None)
-
-    @cute.jit
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mdQsem: cute.Tensor | None):
-        """The host side of ``__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)) int32,
-        zero at launch, with the deterministic backward, else None."""
+               mdQsem: cute.Tensor | None = None):
+        """The host side of ``BwdMainCall.__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m))
+        int32, zero at launch, with the deterministic backward, else None."""
+        if const_expr(self.deterministic and mdQsem is None):
+            raise TypeError("the deterministic backward takes the dQ semaphores: call "
+                            "FlashBwdSm100Deterministic")
         check_bwd_operand_dtypes(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
         dt = self.dtype
         tm, tn = self.tile_m, self.tile_n

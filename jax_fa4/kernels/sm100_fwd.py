@@ -70,7 +70,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_fa4.kernels.cute_utils import as_cutlass_dtype, permute, tma_tile_partition
+from jax_fa4.kernels.cute_utils import FwdCall, as_cutlass_dtype, permute, tma_tile_partition
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.softmax import LN_2, LOG2_E, RESCALE_THRESHOLD
 
@@ -202,7 +202,7 @@ def _tcgen05_fence_after_sync(*, loc=None, ip=None) -> None:
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
-class FlashFwdSm100:
+class FlashFwdSm100(FwdCall):
     """Forward attention for sm_100a, one compiled binary per configuration.
 
     dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
@@ -252,15 +252,9 @@ class FlashFwdSm100:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(
-        self,
-        stream: cuda.CUstream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
-    ):
+    def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mO: cute.Tensor, mLSE: cute.Tensor):
+        """The host side of ``FwdCall.__call__``, with the tensors as it takes them."""
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")

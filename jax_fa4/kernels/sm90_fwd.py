@@ -39,6 +39,7 @@ from cutlass import Float32, Int32, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    FwdCall,
     as_cutlass_dtype,
     consumer_release_elected,
     convert_to_operand_a,
@@ -301,7 +302,7 @@ def sm_count(default: int = 132) -> int:
         return default
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(FwdCall):
     """Forward attention for sm_90a, one compiled binary per configuration.
 
     dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
@@ -357,25 +358,13 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(
-        self,
-        stream: cuda.CUstream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
-    ):
-        if cutlass.const_expr(self.dynamic):
+    def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None = None):
+        """The host side of ``FwdCall.__call__``: the tensors as it takes them, and the
+        dynamic scheduler's (1,) int32 tile counter (zero at launch) or None."""
+        if cutlass.const_expr(self.dynamic and mTileCounter is None):
             raise TypeError("the causal persistent forward takes a tile counter: call "
                             "FlashFwdSm90Dynamic (see make_fwd_sm90)")
-        self.launch(stream, mQ, mK, mV, mO, mLSE, None)
-
-    @cute.jit
-    def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-               mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None):
-        """The host side of both calls: the tensors as ``__call__`` takes them, and
-        the dynamic scheduler's (1,) int32 tile counter (zero at launch) or None."""
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -1152,25 +1141,13 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
     zero at launch (the FFI layer passes a fresh zero buffer aliased to an extra
     output, see ``rules.kernels_cuda.forward``)."""
 
+    takes_tile_counter = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.dynamic:
             raise ValueError("FlashFwdSm90Dynamic is the causal persistent forward")
 
-    @cute.jit
-    def __call__(
-        self,
-        stream: cuda.CUstream,
-        mQ: cute.Tensor,  # (B, Sq, Hq, D)
-        mK: cute.Tensor,  # (B, Sk, Hkv, D)
-        mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        mTileCounter: cute.Tensor,  # (1,) int32, zero at launch
-        mO: cute.Tensor,  # (B, Sq, Hq, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, Sq) f32
-    ):
-        if cutlass.const_expr(mTileCounter.element_type != Int32):
-            raise TypeError("the tile counter must be int32")
-        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter)
 
 
 def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
