@@ -25,7 +25,9 @@ late query chunk against the early key chunk in full. Every device does the same
 work at every hop (the technique of the zigzag / striped ring attention of
 Brandon et al. and Llama 3's context parallelism, written here for shard_map).
 
-Backward (a custom VJP): K and V rotate again; each hop calls the backward kernels
+Backward (a custom VJP): K and V rotate again, the other way round (the same
+rotations as the forward's would be merged with them by XLA, which would keep every
+block alive in between); each hop calls the backward kernels
 with the final out and LSE (no recomputation of the forward ring): with
 P = exp(S - lse) and Dpsum = rowsum(dO * O) - dLSE the per-hop gradients are exact
 partials. dQ accumulates where the queries live; dK and dV partials travel with
@@ -87,9 +89,9 @@ class _Ring:
                                implementation=self.implementation,
                                deterministic=self.deterministic)
 
-    def rotate(self, *xs):
-        """Each device's arrays to the next device of the ring."""
-        perm = [(i, (i + 1) % self.n) for i in range(self.n)]
+    def rotate(self, *xs, step: int = 1):
+        """Each device's arrays to the device ``step`` places on along the ring."""
+        perm = [(i, (i + step) % self.n) for i in range(self.n)]
         return tuple(jax.lax.ppermute(x, self.axis_name, perm) for x in xs)
 
 
@@ -216,19 +218,22 @@ def _zigzag_diagonal_backward(ring: _Ring, q, k, v, out, lse, dout, dlse):
 
 
 def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse):
+    # K / V go round the other way here: the same rotations as the forward's would be
+    # merged with them by XLA, which then keeps all n blocks alive from the forward to
+    # the backward (the whole sequence's K / V on every device).
     me = jax.lax.axis_index(ring.axis_name)
     f32 = jnp.float32
     dq, dk, dv = like_inputs((jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32),
                                jnp.zeros(v.shape, f32)), q, k, v, dout)
     for hop in range(ring.n):
         if hop + 1 < ring.n:
-            k_next, v_next = ring.rotate(k, v)
-        src_before = (me - hop) % ring.n < me
+            k_next, v_next = ring.rotate(k, v, step=-1)
+        src_before = (me + hop) % ring.n < me  # this hop's block is that of device me + hop
         dq_t, dk_t, dv_t = _hop_backward(ring, hop, q, k, v, out, lse, dout, dlse, src_before)
         dq = dq + dq_t.astype(f32)
         dk, dv = dk + dk_t.astype(f32), dv + dv_t.astype(f32)
         # dK / dV travel with their block: after the last hop, one more step home.
-        dk, dv = ring.rotate(dk, dv)
+        dk, dv = ring.rotate(dk, dv, step=-1)
         if hop + 1 < ring.n:
             k, v = k_next, v_next
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

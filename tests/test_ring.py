@@ -174,3 +174,16 @@ def test_zigzag_layout_round_trip():
     assert z[0, :8].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
     assert z[0, 8:16].tolist() == [4, 5, 6, 7, 24, 25, 26, 27]
     assert (jax_fa4.from_zigzag(z, 4) == x).all()
+
+
+def test_compiled_ring_moves_blocks_by_permutes_only(mesh):
+    """The compiled step has no all-gather; the forward sends K / V n - 1 times, the
+    backward sends them again (the other way round, so XLA does not merge them with
+    the forward's and keep every block alive) plus dK / dV n times."""
+    q = jax.ShapeDtypeStruct((1, 8 * 4, 2, 16), jnp.float32)
+    fn = _ring_fn(mesh, True, True, return_lse=False)
+    text = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))).lower(
+        q, q, q).compile().as_text()
+    assert "all-gather" not in text and "all-reduce" not in text
+    permutes = text.count("collective-permute(") + text.count("collective-permute-start(")
+    assert permutes == 2 * (N - 1) + 2 * (N - 1) + 2 * N, permutes
