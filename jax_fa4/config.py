@@ -10,11 +10,16 @@ and head count.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import jax.numpy as jnp
 
 IMPLEMENTATIONS = (None, "cute", "reference")
+
+# The softmax runs in base 2 (exp2 on the GPU); LSE is reported in natural log.
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 
 # Head dims and dtypes the kernels of each architecture take (q/k head dim, v head dim).
 KERNEL_DTYPES = ("bfloat16", "float16")

@@ -29,14 +29,12 @@ A row that sees no key returns out 0 and lse -inf, and gets zero gradients.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from jax_fa4.config import LN_2, LOG2_E
 
 # Note [Lazy rescale]
 # ~~~~~~~~~~~~~~~~~~~
@@ -233,7 +231,7 @@ def attention_blockwise(
     kb = kp.reshape(b, nblk, bk, hkv, d).transpose(1, 0, 2, 3, 4)
     vb = vp.reshape(b, nblk, bk, hkv, dv).transpose(1, 0, 2, 3, 4)
     # Scores in log2 units: s2 = (q.k) * scale * log2(e).
-    qg = _group_queries(q.astype(jnp.float32), hkv) * (scale * LOG2E)
+    qg = _group_queries(q.astype(jnp.float32), hkv) * (scale * LOG2_E)
     vis_of = _block_visibility(sq, sk, bk, nblk, causal, bottom_right, window, masks)
 
     def step(carry, xs):
@@ -264,7 +262,7 @@ def attention_blockwise(
                                              _segment_blocks(masks, bk, nblk)))
     safe_l = jnp.where(l == 0, 1.0, l)
     out = (o / safe_l[..., None]).reshape(b, hq, sq, dv).transpose(0, 2, 1, 3)
-    lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(safe_l)) * LN2).reshape(b, hq, sq)
+    lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(safe_l)) * LN_2).reshape(b, hq, sq)
     return out.astype(q.dtype), lse
 
 

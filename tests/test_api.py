@@ -129,16 +129,16 @@ def test_dot_product_attention_matches_jax_nn(causal):
     assert res.shape == want_res.shape and max_err(res, want_res) < 1e-4
 
 
-def test_dot_product_attention_mask_bias_lengths_window():
+def test_dot_product_attention_bias_and_dense_mask():
+    """A bias or a dense mask takes the dense reference path (alone, and with lengths;
+    lengths and windows alone are tested against jax.nn in test_masks.py)."""
     q, k, v = rand_qkv(5, 2, 20, 24, 2, 2, 16, dtype=jnp.float32)
     bias = jax.random.normal(jax.random.key(1), (2, 2, 20, 24))
     mask = jax.random.bernoulli(jax.random.key(2), 0.8, (2, 2, 20, 24)).at[..., 0].set(True)
-    lengths = jnp.array([20, 13]), jnp.array([24, 9])
+    lengths = jnp.array([20, 13], jnp.int32), jnp.array([24, 9], jnp.int32)
     for kwargs in (
         dict(bias=bias),
-        dict(mask=mask),
-        dict(query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1]),
-        dict(local_window_size=(3, 2)),
+        dict(mask=mask, query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1]),
     ):
         got = jax_fa4.dot_product_attention(q, k, v, **kwargs)
         want = jax.nn.dot_product_attention(q, k, v, **kwargs)

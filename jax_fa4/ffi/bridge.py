@@ -190,12 +190,15 @@ def _sources_digest() -> str:
 
     h = hashlib.sha256()
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Everything a compiled kernel depends on: its sources, the launch plan that
+    # builds it from its key, and the constants in config.py.
+    paths = [os.path.join(pkg, "config.py")]
     for sub in ("kernels", "ffi", "rules"):
         folder = os.path.join(pkg, sub)
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    h.update(name.encode() + f.read())
+        paths += [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".py")]
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + f.read())
     versions = (
         getattr(cutlass, "__version__", "?"),
         jax.__version__,

@@ -127,7 +127,7 @@ try:  # The kernel needs the CuTe DSL; the workspace helper above does not.
     import cutlass
     from cutlass import Float32, const_expr, cute
 
-    from jax_fa4.kernels.softmax import LOG2_E
+    from jax_fa4.config import LOG2_E
 except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
     cutlass = None
 

@@ -56,7 +56,6 @@ n_block * tile_n >= seqlen_q) still writes dK = dV = 0 for its keys.
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 
 import cutlass
@@ -68,6 +67,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 
+from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     BwdMainCall,
     DqSemaphoreCall,
@@ -82,7 +82,6 @@ from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 
 log = logging.getLogger(__name__)
 
-LOG2_E = math.log2(math.e)
 
 # Warp roles.
 _COMPUTE_WARP0 = 4  # warps 4-11

@@ -70,9 +70,10 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import FwdCall, as_cutlass_dtype, permute, tma_tile_partition
 from jax_fa4.kernels.exp2 import exp2_poly_x2
-from jax_fa4.kernels.softmax import LN_2, LOG2_E, RESCALE_THRESHOLD
+from jax_fa4.kernels.softmax import RESCALE_THRESHOLD
 
 logger = logging.getLogger(__name__)
 

@@ -74,6 +74,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
     bulk_reduce_add_f32,
@@ -92,7 +93,7 @@ from jax_fa4.kernels.cute_utils import (
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
 from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile
-from jax_fa4.kernels.softmax import LOG2_E, acc_mn_view
+from jax_fa4.kernels.softmax import acc_mn_view
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM

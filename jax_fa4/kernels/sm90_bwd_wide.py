@@ -79,6 +79,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     permute,
     sm90_smem_layout,
@@ -89,7 +90,7 @@ from jax_fa4.kernels.cute_utils import (
     zero_acc,
 )
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
-from jax_fa4.kernels.softmax import LOG2_E, acc_mn_view
+from jax_fa4.kernels.softmax import acc_mn_view
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_P = 1  # both MMA warpgroups: P of this query block is in SMEM

@@ -38,6 +38,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
     as_cutlass_dtype,
@@ -54,7 +55,6 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.mask import TileMask
 from jax_fa4.kernels.softmax import (
-    LOG2_E,
     OnlineSoftmax,
     acc_mn_view,
     rescale_rows,

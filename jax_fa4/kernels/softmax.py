@@ -48,13 +48,10 @@ elements per thread.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 from cutlass import Float32, cute
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
+from jax_fa4.config import LN_2
 
 # See Note [Lazy rescale]: the max may lag by this many log2 units (P <= 2^8).
 RESCALE_THRESHOLD = 8.0
