@@ -170,7 +170,7 @@ batching.primitive_batchers[fa4_bwd_p] = functools.partial(_batch_rule, fa4_bwd_
 # Lowering
 
 
-def mask_arrays(config: AttentionConfig, operands) -> reference.Masks:
+def _mask_arrays(config: AttentionConfig, operands) -> reference.Masks:
     """The per-batch mask operands the config names, by name."""
     it = iter(operands)
     return reference.Masks(
@@ -183,7 +183,7 @@ def mask_arrays(config: AttentionConfig, operands) -> reference.Masks:
 
 def _mask_kwargs(config: AttentionConfig, masks) -> dict:
     return dict(causal=config.causal, bottom_right=config.bottom_right, window=config.window,
-                masks=mask_arrays(config, masks))
+                masks=_mask_arrays(config, masks))
 
 
 def _reference_fwd(q, k, v, *masks, config):
