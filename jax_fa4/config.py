@@ -118,6 +118,11 @@ class KernelKey:
     # bwd_pre: subtract dLSE, the cotangent of the returned LSE, from Dpsum; False:
     # that cotangent is a symbolic zero and the preprocess takes no dLSE operand.
     dlse: bool = True
+    # fwd / bwd: the call takes per-row key (per-key query) intervals that carry
+    # every mask (rules/ranges.py; causal is then False), and with ``segments`` the
+    # segment ids too.
+    masked: bool = False
+    segments: bool = False
 
 
 def dtype_name(dtype) -> str:

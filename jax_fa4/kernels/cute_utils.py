@@ -204,12 +204,17 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, *,
 
 class FwdCall:
     """The call of a forward kernel, as the lowering makes it; it runs the kernel's
-    host side, ``launch(stream, mQ, mK, mV, mO, mLSE[, mTileCounter])``.
+    host side, ``launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg,
+    mKSeg)`` (None for each operand the kernel does not take).
 
-    A kernel with ``takes_tile_counter`` (the sm90 causal persistent forward) takes
-    one more operand right after V: a (1,) int32 tile counter, zero at launch."""
+    After V, in this order: a kernel with ``takes_tile_counter`` (the sm90 causal
+    persistent forward) takes a (1,) int32 tile counter, zero at launch; a
+    ``masked`` one each query's key interval, (B, Sq, 2) int32; one with
+    ``segments`` the query and key segment ids, (B, Sq) and (B, Sk) int32."""
 
     takes_tile_counter = False
+    masked = False
+    segments = False
 
     @cute.jit
     def __call__(
@@ -218,28 +223,39 @@ class FwdCall:
         mQ: cute.Tensor,  # (B, Sq, Hq, D)
         mK: cute.Tensor,  # (B, Sk, Hkv, D)
         mV: cute.Tensor,  # (B, Sk, Hkv, Dv)
-        *rest: cute.Tensor,  # mO (B, Sq, Hq, Dv), mLSE (B, Hq, Sq) f32; first
-        # mTileCounter (1,) int32 with takes_tile_counter
+        *rest: cute.Tensor,  # the operands above, then mO (B, Sq, Hq, Dv) and mLSE
+        # (B, Hq, Sq) f32
     ):
+        rest = list(rest)
+        mTileCounter = mRanges = mQSeg = mKSeg = None
         if const_expr(self.takes_tile_counter):
-            mTileCounter, mO, mLSE = rest
+            mTileCounter = rest.pop(0)
             if const_expr(mTileCounter.element_type != Int32):
                 raise TypeError("the tile counter must be int32")
-            self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter)
-        else:
-            mO, mLSE = rest
-            self.launch(stream, mQ, mK, mV, mO, mLSE)
+        if const_expr(self.masked):
+            mRanges = rest.pop(0)
+        if const_expr(self.segments):
+            mQSeg, mKSeg = rest.pop(0), rest.pop(0)
+        for t in (mRanges, mQSeg, mKSeg):
+            if const_expr(t is not None and t.element_type != Int32):
+                raise TypeError("key intervals and segment ids must be int32")
+        mO, mLSE = rest
+        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg)
 
 
 class BwdMainCall:
     """The call of a backward main kernel, as the lowering makes it; it runs the
     kernel's host side, ``launch(stream, mQ, ..., mdQaccum, mdK, mdV[, mdQsem])``.
 
-    A deterministic kernel (``DqSemaphoreCall``) takes one more operand right after
-    mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m)) int32 and zero at launch, one
-    semaphore per query block."""
+    After mdQaccum, in this order: a deterministic kernel (``DqSemaphoreCall``) takes
+    mdQsem, (B, Hq, ceil(Sq / tile_m)) int32 and zero at launch, one semaphore per
+    query block; a ``masked`` one each key's query interval, (B, Sk, 2) int32
+    (rules/ranges.py), passed to ``launch`` as mRanges after mdQsem (None if none);
+    one with ``segments`` the query and key segment ids, (B, Sq) and (B, Sk)."""
 
     takes_dq_semaphores = False
+    masked = False
+    segments = False
 
     @cute.jit
     def __call__(
@@ -252,16 +268,30 @@ class BwdMainCall:
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, LSE * log2(e); +inf past Sq
         mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, rowsum(dO * O) - dLSE; 0 past Sq
         mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, accumulated in place
-        *rest: cute.Tensor,  # mdK (B, Sk, Hkv, D), mdV (B, Sk, Hkv, Dv); first
-        # mdQsem (B, Hq, num_m) int32 with takes_dq_semaphores
+        *rest: cute.Tensor,  # the optional operands, then mdK (B, Sk, Hkv, D) and
+        # mdV (B, Sk, Hkv, Dv)
     ):
+        rest = list(rest)
         if const_expr(self.takes_dq_semaphores):
-            mdQsem, mdK, mdV = rest
+            mdQsem = rest.pop(0)
             if const_expr(mdQsem.element_type != Int32):
                 raise TypeError("the dQ semaphores must be int32")
-            self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem)
+        masks = ()
+        if const_expr(self.masked):
+            masks = (rest.pop(0),)
+            if const_expr(self.segments):
+                masks = masks + (rest.pop(0), rest.pop(0))
+            for t in masks:
+                if const_expr(t.element_type != Int32):
+                    raise TypeError("query intervals and segment ids must be int32")
+        mdK, mdV = rest
+        if const_expr(self.takes_dq_semaphores):
+            self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,
+                        *masks)
+        elif const_expr(self.masked):
+            self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, None,
+                        *masks)
         else:
-            mdK, mdV = rest
             self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
 

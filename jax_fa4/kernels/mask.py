@@ -175,3 +175,158 @@ class TileMask:
                 c = w * _WORD + i
                 kept = (keep & Uint32(1 << i)) != Uint32(0)
                 s_mn[r, c] = Float32(cutlass.select_(kept, s_mn[r, c], -Float32.inf))
+
+
+# The lower end of an empty key / query interval (rules/ranges.py: EMPTY_LO).
+_EMPTY_LO = 1 << 30
+
+
+def decode_hi(hi: Int32):
+    """(hi, exact) of a stored interval end: a bit-inverted end marks a row whose
+    segment is not contiguous (rules/ranges.py)."""
+    return cutlass.select_(hi < 0, ~hi, hi), hi >= 0
+
+
+class BlockRange:
+    """The blocks one tile visits, from the intervals of its rows (rules/ranges.py),
+    reduced over the tile by one warp: lane l reads rows l, l + 32, ... . Rows past
+    the tensor's end (the last tile's padding) take no part.
+
+    first, end: the blocks [first, end) hold every visible element of the tile
+    (``at_least_one``: a tile with none still visits block 0, fully masked, which
+    writes its rows' out 0 and lse -inf through the ordinary path).
+    full_first, full_end: blocks in [full_first, full_end) are visible in every
+    element of every row, so they need no element mask.
+    inexact: some row needs the segment-id compare (then every block is masked).
+
+    flash-attn-4's ``BlockInfo`` finds the same first and last blocks from the
+    causal / window diagonal; here they come from the intervals, so one rule serves
+    every mask.
+    """
+
+    def __init__(self, mRanges: cute.Tensor, tile: int, block: int, tile_idx: Int32,
+                 batch: Int32, num_rows: Int32, at_least_one: bool):
+        lane = cute.arch.lane_idx()
+        lo_min = Int32(_EMPTY_LO)
+        lo_max = Int32(0)
+        hi_max = Int32(0)
+        hi_min = Int32(_EMPTY_LO)
+        inexact = Int32(0)
+        for k in range((tile + 31) // 32):  # traced inline: a static Python loop
+            row = tile_idx * tile + k * 32 + lane
+            ok = row < num_rows
+            if k * 32 + 32 > tile:
+                ok = ok & (k * 32 + lane < tile)
+            at = cutlass.min(row, num_rows - 1)
+            lo = mRanges[batch, at, 0]
+            hi_raw = mRanges[batch, at, 1]
+            hi, _ = decode_hi(hi_raw)
+            lo_min = cutlass.min(lo_min, cutlass.select_(ok, lo, Int32(_EMPTY_LO)))
+            lo_max = cutlass.max(lo_max, cutlass.select_(ok, lo, Int32(0)))
+            hi_max = cutlass.max(hi_max, cutlass.select_(ok, hi, Int32(0)))
+            hi_min = cutlass.min(hi_min, cutlass.select_(ok, hi, Int32(_EMPTY_LO)))
+            inexact = inexact | cutlass.select_(ok & (hi_raw < 0), Int32(1), Int32(0))
+        lo_min = cute.arch.warp_reduction(lo_min, cutlass.min)
+        lo_max = cute.arch.warp_reduction(lo_max, cutlass.max)
+        hi_max = cute.arch.warp_reduction(hi_max, cutlass.max)
+        hi_min = cute.arch.warp_reduction(hi_min, cutlass.min)
+        inexact = cute.arch.warp_reduction(inexact, cutlass.max)
+        first = lo_min // block
+        end = (hi_max + block - 1) // block
+        if at_least_one:
+            none = end <= first
+            first = cutlass.select_(none, Int32(0), first)
+            end = cutlass.select_(none, Int32(1), end)
+        else:
+            end = cutlass.max(end, first)
+        self.first = first
+        self.end = end
+        self.full_first = (lo_max + block - 1) // block
+        self.full_end = hi_min // block
+        self.inexact = inexact != 0
+
+    @staticmethod
+    def masked_block(n: Int32, full_first: Int32, full_end: Int32, inexact):
+        """Whether block n needs the element mask (from the fields of a BlockRange,
+        read before a loop: a run-time loop carries no Python objects)."""
+        return (n < full_first) | (n >= full_end) | inexact
+
+
+class RangeMask:
+    """Masks a (tile_m, tile_n) sm90 score tile of one thread to its rows' key
+    intervals (rules/ranges.py), and, for rows whose segment is not contiguous, to
+    equal segment ids. Rows are queries and columns keys (the forward's S); the
+    thread's rows' intervals are read once per tile.
+
+    mRanges: (B, Sq, 2) int32; mQSeg, mKSeg: (B, Sq) / (B, Sk) int32 segment ids, or
+    None where the kernel takes none.
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, thr_mma, thr_mma_t0, mRanges: cute.Tensor,
+                 mQSeg, mKSeg, m_block: Int32, batch: Int32, seqlen_q: Int32,
+                 seqlen_k: Int32):
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        c_tile = cute.make_identity_tensor((tile_m, tile_n))
+        self.t_coord = acc_mn_view(thr_mma.partition_C(c_tile))
+        t0_coord = acc_mn_view(thr_mma_t0.partition_C(c_tile))
+        n_rows = cute.size(self.t_coord, mode=[0])
+        n_cols = cute.size(self.t_coord, mode=[1])
+        self.cols0 = [t0_coord[0, c][1] for c in range(n_cols)]
+        self.col_offset = self.t_coord[0][1]
+        self.lo = cute.make_rmem_tensor(n_rows, Int32)
+        self.hi = cute.make_rmem_tensor(n_rows, Int32)
+        self.mQSeg, self.mKSeg = mQSeg, mKSeg
+        self.batch, self.seqlen_k = batch, seqlen_k
+        self.seg = None
+        if mQSeg is not None:
+            # Per row: its segment id, and whether it needs the compare.
+            self.seg = cute.make_rmem_tensor(n_rows, Int32)
+            self.cmp = cute.make_rmem_tensor(n_rows, Int32)
+        for r in range(n_rows):  # traced inline: a static Python loop
+            row = cutlass.min(m_block * tile_m + self.t_coord[r, 0][0], seqlen_q - 1)
+            hi, exact = decode_hi(mRanges[batch, row, 1])
+            self.lo[r] = mRanges[batch, row, 0]
+            self.hi[r] = hi
+            if mQSeg is not None:
+                self.seg[r] = mQSeg[batch, row]
+                self.cmp[r] = cutlass.select_(exact, Int32(0), Int32(1))
+
+    @cute.jit
+    def apply(self, acc_S: cute.Tensor, m_block: Int32, n_block: Int32,
+              mask_seqlen: cutlass.Constexpr[bool] = True,
+              mask_causal: cutlass.Constexpr[bool] = True, when=None) -> None:
+        """Set the entries of acc_S ((2, 2, V), MMA_M, MMA_N fp32) outside their row's
+        interval to -inf. ``TileMask.apply``'s signature; the intervals hold the
+        sequence end and the diagonal, so mask_seqlen / mask_causal are ignored.
+        when: a run-time Boolean: mask only where it holds."""
+        s_mn = acc_mn_view(acc_S)
+        if cutlass.const_expr(when is not None):
+            if when:
+                self._select(s_mn, n_block)
+        else:
+            self._select(s_mn, n_block)
+
+    @cute.jit
+    def _select(self, s_mn, n_block):
+        n_rows = cute.size(s_mn, mode=[0])
+        n_cols = cute.size(s_mn, mode=[1])
+        neg_inf = -Float32.inf
+        col0 = n_block * self.tile_n + self.col_offset
+        for r in cutlass.range_constexpr(n_rows):
+            lo = self.lo[r] - col0
+            hi = self.hi[r] - col0
+            for c in cutlass.range_constexpr(n_cols):
+                x = cutlass.select_(self.cols0[c] < hi, s_mn[r, c], neg_inf)
+                s_mn[r, c] = Float32(cutlass.select_(self.cols0[c] >= lo, x, neg_inf))
+        if cutlass.const_expr(self.seg is not None):
+            any_cmp = self.cmp[0]
+            for r in cutlass.range_constexpr(1, n_rows):
+                any_cmp = any_cmp | self.cmp[r]
+            if any_cmp != 0:
+                for c in cutlass.range_constexpr(n_cols):
+                    col = cutlass.min(col0 + self.cols0[c], self.seqlen_k - 1)
+                    kseg = self.mKSeg[self.batch, col]
+                    for r in cutlass.range_constexpr(n_rows):
+                        keep = (self.cmp[r] == 0) | (self.seg[r] == kseg)
+                        s_mn[r, c] = Float32(cutlass.select_(keep, s_mn[r, c], neg_inf))

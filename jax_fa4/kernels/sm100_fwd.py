@@ -254,8 +254,10 @@ class FlashFwdSm100(FwdCall):
     # ------------------------------------------------------------------ host
     @cute.jit
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-               mO: cute.Tensor, mLSE: cute.Tensor):
-        """The host side of ``FwdCall.__call__``, with the tensors as it takes them."""
+               mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter=None, mRanges=None, mQSeg=None,
+               mKSeg=None):
+        """The host side of ``FwdCall.__call__``, with the tensors as it takes them (it
+        takes none of the optional ones)."""
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")

@@ -166,25 +166,36 @@ _TILE_TABLE = {
 }
 
 
-def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
-    """The tile table, keyed by head dim and mask."""
+# Key intervals (rules/ranges.py): the causal rows without what assumes the causal
+# triangle (the LPT order, the masked warpgroup's peel).
+_MASKED_TILES = {
+    64: BwdTiles(tile_m=128, stats="rows", dv_done_before_dk=True),
+    128: BwdTiles(tile_m=64, stats="by_thread"),
+}
+
+
+def bwd_tiles(head_dim: int, causal: bool, masked: bool = False) -> BwdTiles:
+    """The tile table, keyed by head dim and mask (none, top-left causal, or
+    ``masked``: key intervals)."""
     if head_dim not in (64, 128):
         raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
+    if masked:
+        return _MASKED_TILES[head_dim]
     return _TILE_TABLE[(head_dim, bool(causal))]
 
 
-def stats_thread_block(head_dim: int, causal: bool) -> int | None:
+def stats_thread_block(head_dim: int, causal: bool, masked: bool = False) -> int | None:
     """The block of the by-thread LSElog2 / Dpsum order (``stat_position``) the sm90
     backward reads for this configuration (what its preprocess must write), or
     None for row order."""
-    t = bwd_tiles(head_dim, causal)
+    t = bwd_tiles(head_dim, causal, masked)
     return t.tile_m if t.stats == "by_thread" else None
 
 
-def dq_accum_flat_tile_m(head_dim: int, causal: bool) -> int:
+def dq_accum_flat_tile_m(head_dim: int, causal: bool, masked: bool = False) -> int:
     """The tile_m of the flat dQaccum order the sm90 backward writes for this
     configuration (what its postprocess must read)."""
-    return bwd_tiles(head_dim, causal).tile_m
+    return bwd_tiles(head_dim, causal, masked).tile_m
 
 
 def lpt_key_block(t, num_n_blocks, num_kv_heads, num_hb, section, minimum=min):
@@ -262,7 +273,7 @@ class FlashBwdSm90(Sm90BwdCommon):
 
     @property
     def tiles(self) -> BwdTiles:
-        return bwd_tiles(self.head_dim, self.causal)
+        return bwd_tiles(self.head_dim, self.causal, self.masked)
 
     @property
     def tile_m(self) -> int:
@@ -308,9 +319,10 @@ class FlashBwdSm90(Sm90BwdCommon):
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mdQsem: cute.Tensor | None = None):
+               mdQsem: cute.Tensor | None = None, *masks: cute.Tensor):
         """The host side of the call (``BwdMainCall``); mdQsem: (B, Hq, ceil(Sq /
-        tile_m)) int32, zero at launch, with the deterministic backward, else None."""
+        tile_m)) int32, zero at launch, with the deterministic backward, else None;
+        masks: with ``masked``, the keys' query intervals (and segment ids)."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
@@ -342,7 +354,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             (mdQaccum, gmem_dK, gmem_dV, mdQsem), (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum),
             (tma_dK, tma_dV), (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout,
                                sdS_layout, sdQ_layout),
-            (mma_sdp, mma_dk, mma_dv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream)
+            (mma_sdp, mma_dk, mma_dv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream,
+            masks)
 
     def grid(self, num_n_blocks, num_kv_heads, batch):
         if self.lpt:  # a 1-D grid in LPT order (cta_coords)
@@ -520,6 +533,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         dq_threads = 128 + 32  # this warpgroup and the dQ warp
         dq_bar_off = wg_idx
         key_limit = cta.seqlen_k - n_block * tn
+        kmask = self.key_mask(cta, tScS, 0)
         state = self.mma_start(pipe_kv, num_iters)
         it0 = 0
         if const_expr(self.tiles.skip_masked_wg):
@@ -560,7 +574,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             warpgroup.wait_group(1)  # S^T done
 
             S = acc_mn_view(acc_S)
-            self.mask_scores(S, tScS, 0, m_block, n_block, key_limit)
+            self.mask_scores(S, tScS, 0, m_block, n_block, key_limit, kmask, cta.full)
             # P^T = exp2(S^T * scale * log2 e - LSElog2[query]).
             for c in cutlass.range_constexpr(n_cols):
                 _column_stat(stats, lse, c, sLSE, stage, tScS, lse_part, quad_lane)

@@ -30,6 +30,7 @@ from jax_fa4.kernels.cute_utils import (
     stat_rows_view,
     tma_tile_partition,
 )
+from jax_fa4.kernels.mask import BlockRange, decode_hi
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ class Cta:
 
     coords: tuple  # (key block, kv head, batch entry)
     work: tuple  # ``work_list``: (GQA group, first query block, query blocks, items)
+    masks: tuple  # masked: (query intervals, query and key segment ids or None)
+    # masked: (first full query block, end of the full ones, inexact) of the block
+    # (``BlockRange``), else None.
+    full: tuple | None
     seqlen_k: object
     storage: object  # the SharedStorage
     smem: dict  # SMEM tensors by name
@@ -79,6 +84,9 @@ class Sm90BwdCommon(BwdMainCall):
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T (default 1 / sqrt(head_dim)).
       use_pdl: launched with programmatic dependent launch (``pdl_start``).
+      masked: the call takes each key's interval of seeing queries (rules/ranges.py),
+        which carries every mask (causal must then be False); segments: and the
+        segment ids, compared where a document is not contiguous.
 
     A subclass sets head_dims, tile_m, tile_n, stages_qdo, smem_more (the names of
     its SMEM tensors besides Q, dO, K, V and the row statistics), the named-barrier
@@ -101,9 +109,16 @@ class Sm90BwdCommon(BwdMainCall):
         causal: bool = False,
         softmax_scale: float | None = None,
         use_pdl: bool = False,
+        masked: bool = False,
+        segments: bool = False,
     ):
         init_bwd_kernel(self, type(self).__name__, dtype, head_dim, head_dim_v, self.head_dims,
                         causal, softmax_scale)
+        if masked and causal or segments and not masked:
+            raise ValueError("masked kernels carry causal in their intervals, and "
+                             "segments need masked")
+        self.masked = masked
+        self.segments = segments
         self.use_pdl = use_pdl
         log.debug("%s %s d=%d causal=%s", type(self).__name__, dtype, head_dim, causal)
 
@@ -178,11 +193,13 @@ class Sm90BwdCommon(BwdMainCall):
         return storage
 
     def launch_kernel(self, mK, loads, outs, tma_loads, atoms, layouts, mmas, bytes_qdo: int,
-                      bytes_kv: int, SharedStorage, stream) -> None:
+                      bytes_kv: int, SharedStorage, stream, masks: tuple = ()) -> None:
         """Launch ``kernel`` with one CTA per (key block, kv head, batch entry) of K
-        (``mK``: (Sk, D, Hkv, B)), on the subclass's ``grid``."""
+        (``mK``: (Sk, D, Hkv, B)), on the subclass's ``grid``. masks: with
+        ``masked``, (query intervals, query and key segment ids or None)."""
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-        self.kernel(loads, outs, tma_loads, atoms, layouts, mmas, bytes_qdo, bytes_kv,
+        masks = tuple(masks) + (None,) * (3 - len(masks))
+        self.kernel(loads, outs, masks, tma_loads, atoms, layouts, mmas, bytes_qdo, bytes_kv,
                     SharedStorage).launch(
             grid=self.grid(num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3])),
             block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -202,6 +219,7 @@ class Sm90BwdCommon(BwdMainCall):
         loads: tuple,  # TMA views of Q (Sq, D, Hq, B), K (Sk, D, Hkv, B), V (Sk, Dv, Hkv,
         # B), dO (Sq, Dv, Hq, B), LSElog2 and Dpsum (Sq_pad, Hq, B) f32
         outs: tuple,  # the subclass's outputs (its ``launch`` says), dQaccum first
+        masks: tuple,  # (B, Sk, 2) query intervals, (B, Sq) / (B, Sk) segment ids, or None
         tma_loads: tuple,  # the TMA atoms of ``loads``
         atoms: tuple,  # the subclass's other TMA atoms
         layouts: tuple,  # SMEM layouts: Q, dO, K, V, the row statistics, ``smem_more``
@@ -236,7 +254,8 @@ class Sm90BwdCommon(BwdMainCall):
                 smem[name] = field.get_tensor(layout)
         # Everything above only set up SMEM and barriers: no global memory yet.
         pdl_start(self.use_pdl)
-        cta = Cta(coords=coords, work=self.work_list(coords[0], mQ, mK), seqlen_k=mK.shape[0],
+        work, full = self.work_list(coords, mQ, mK, masks[0])
+        cta = Cta(coords=coords, work=work, masks=masks, full=full, seqlen_k=mK.shape[0],
                   storage=storage, smem=smem, layouts=by_name, pipe_qdo=pipe_qdo,
                   pipe_kv=pipe_kv, outs=outs, atoms=atoms, mmas=mmas)
 
@@ -267,19 +286,28 @@ class Sm90BwdCommon(BwdMainCall):
             tx_count=bytes_kv, defer_sync=False)
         return pipe_qdo, pipe_kv
 
-    def work_list(self, n_block, mQ: cute.Tensor, mK: cute.Tensor):
-        """(group, m_block_min, num_m, num_iters): every (query head of the group,
-        query block) pair that can see at least one key of this block, as
-        ``num_iters = num_m * group`` items. All roles walk the same list, so they
-        agree on every barrier count. mQ, mK: (S, D, H, B) views."""
+    def work_list(self, coords, mQ: cute.Tensor, mK: cute.Tensor, mRanges):
+        """((group, m_block_min, num_m, num_iters), full): every (query head of the
+        group, query block) pair that can see at least one key of this block, as
+        ``num_iters = num_m * group`` items, and with ``masked`` (first full query
+        block, end of the full ones, inexact) from the keys' intervals
+        (``BlockRange``), else None. All roles walk the same list, so they agree on
+        every barrier count. mQ, mK: (S, D, H, B) views."""
+        n_block, _, batch = coords
         group = mQ.shape[2] // mK.shape[2]
         m_block_max = cute.ceil_div(mQ.shape[0], self.tile_m)
         m_block_min = Int32(0)
-        if const_expr(self.causal):
+        full = None
+        if const_expr(self.masked):
+            blocks = BlockRange(mRanges, self.tile_n, self.tile_m, n_block, batch, mK.shape[0],
+                                at_least_one=False)
+            m_block_min, m_block_max = blocks.first, blocks.end
+            full = (blocks.full_first, blocks.full_end, blocks.inexact)
+        elif const_expr(self.causal):
             # First query block holding a query >= this block's first key.
             m_block_min = cutlass.min(n_block * self.tile_n // self.tile_m, m_block_max)
         num_m = m_block_max - m_block_min
-        return group, m_block_min, num_m, num_m * group
+        return (group, m_block_min, num_m, num_m * group), full
 
     def work_item(self, it, head_kv, group, m_block_min, num_m):
         """(query head, query block) of work item ``it``."""
@@ -338,14 +366,34 @@ class Sm90BwdCommon(BwdMainCall):
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                             self.stages_qdo)
 
+    def key_mask(self, cta, tScS, keys: int):
+        """masked: this thread's keys' intervals (``KeyRangeMask``), else None."""
+        if const_expr(not self.masked):
+            return None
+        n_block, _, batch = cta.coords
+        return KeyRangeMask(tScS, keys, self.tile_n, *cta.masks, n_block, batch, cta.seqlen_k)
+
     @cute.jit
-    def mask_scores(self, S, tScS, keys: cutlass.Constexpr[int], m_block, n_block, key_limit):
+    def mask_scores(self, S, tScS, keys: cutlass.Constexpr[int], m_block, n_block, key_limit,
+                    kmask=None, full=None):
         """S = -inf (P = 0) where the key is past seqlen_k (``key_limit`` keys of the
         block are valid) or, causal, after the query. S, tScS: (rows, cols) views of
         a thread's scores and their (row, col) coordinates in the block; ``keys``:
         the mode of the keys (0 for S^T, 1 for S). Only blocks holding such a key pay
         for the test: valid is key < min(key_limit, query - key0 + 1) in block
-        coordinates, and the block's first query has the smallest causal limit."""
+        coordinates, and the block's first query has the smallest causal limit.
+        masked: ``kmask`` (``KeyRangeMask``) masks the blocks outside ``cta.full``.
+        """
+        if const_expr(kmask is not None):
+            full_first, full_end, inexact = full
+            kmask.apply(S, tScS, m_block * self.tile_m,
+                        BlockRange.masked_block(m_block, full_first, full_end, inexact))
+        else:
+            self._mask_seqlen_causal(S, tScS, keys, m_block, n_block, key_limit)
+
+    @cute.jit
+    def _mask_seqlen_causal(self, S, tScS, keys: cutlass.Constexpr[int], m_block, n_block,
+                            key_limit):
         queries = 1 - keys
         causal_off = m_block * self.tile_m - n_block * self.tile_n + 1
         first_limit = key_limit
@@ -359,6 +407,70 @@ class Sm90BwdCommon(BwdMainCall):
                 for k in cutlass.range_constexpr(cute.size(tScS, mode=[keys])):
                     at = _at(keys, k, q)
                     S[at] = S[at] if tScS[at][keys] < limit else -Float32.inf
+
+
+class KeyRangeMask:
+    """The intervals of the queries that see this thread's keys (rules/ranges.py),
+    read once per CTA, applied to a (rows, cols) view of a thread's scores; ``keys``
+    is the mode that holds the keys (0 for S^T, 1 for S). With segment ids, keys
+    whose document is not contiguous also compare the ids of each query."""
+
+    def __init__(self, tScS, keys: int, tile_n: int, mRanges, mQSeg, mKSeg, n_block, batch,
+                 seqlen_k):
+        self.keys = keys
+        n_keys = cute.size(tScS, mode=[keys])
+        self.lo = cute.make_rmem_tensor(n_keys, Int32)
+        self.hi = cute.make_rmem_tensor(n_keys, Int32)
+        self.mQSeg = mQSeg
+        self.batch = batch
+        self.seg = None
+        if mQSeg is not None:
+            self.seg = cute.make_rmem_tensor(n_keys, Int32)
+            self.cmp = cute.make_rmem_tensor(n_keys, Int32)
+        for k in range(n_keys):  # traced inline: a static Python loop
+            key = cutlass.min(n_block * tile_n + tScS[_at(keys, k, 0)][keys], seqlen_k - 1)
+            hi, exact = decode_hi(mRanges[batch, key, 1])
+            self.lo[k] = mRanges[batch, key, 0]
+            self.hi[k] = hi
+            if mQSeg is not None:
+                self.seg[k] = mKSeg[batch, key]
+                self.cmp[k] = cutlass.select_(exact, Int32(0), Int32(1))
+
+    @cute.jit
+    def apply(self, S, tScS, query0, when):
+        """S = -inf where the query (``query0`` + its block coordinate) is outside its
+        key's interval, or, where compared, its segment differs; only where the
+        run-time Boolean ``when`` holds."""
+        if when:
+            self._select(S, tScS, query0)
+
+    @cute.jit
+    def _select(self, S, tScS, query0):
+        keys = self.keys
+        queries = 1 - keys
+        n_q = cute.size(tScS, mode=[queries])
+        n_k = cute.size(tScS, mode=[keys])
+        neg_inf = -Float32.inf
+        for k in cutlass.range_constexpr(n_k):
+            lo = self.lo[k] - query0
+            hi = self.hi[k] - query0
+            for q in cutlass.range_constexpr(n_q):
+                at = _at(keys, k, q)
+                x = cutlass.select_(tScS[at][queries] < hi, S[at], neg_inf)
+                S[at] = Float32(cutlass.select_(tScS[at][queries] >= lo, x, neg_inf))
+        if cutlass.const_expr(self.seg is not None):
+            any_cmp = self.cmp[0]
+            for k in cutlass.range_constexpr(1, n_k):
+                any_cmp = any_cmp | self.cmp[k]
+            if any_cmp != 0:
+                num_q = self.mQSeg.shape[1]
+                for q in cutlass.range_constexpr(n_q):
+                    query = cutlass.min(query0 + tScS[_at(keys, 0, q)][queries], num_q - 1)
+                    qseg = self.mQSeg[self.batch, query]
+                    for k in cutlass.range_constexpr(n_k):
+                        at = _at(keys, k, q)
+                        keep = (self.cmp[k] == 0) | (self.seg[k] == qseg)
+                        S[at] = Float32(cutlass.select_(keep, S[at], neg_inf))
 
 
 def _at(keys: int, k: int, q: int) -> tuple[int, int]:

@@ -185,8 +185,10 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     @cute.jit
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
-               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor):
-        """The host side of the call (``BwdMainCall``)."""
+               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mdQsem: None = None, *masks: cute.Tensor):
+        """The host side of the call (``BwdMainCall``); masks: with ``masked``, the
+        keys' query intervals (and segment ids)."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
@@ -217,7 +219,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum), (tma_dQ,),
             (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, sP_layout, sdS_layout,
              sdQ_layout),
-            (mma_sdp, mma_dkv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream)
+            (mma_sdp, mma_dkv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream, masks)
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -296,6 +298,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
         dq_threads = self.num_mma_threads + 32
         key_limit = seqlen_k - n_block * tn
+        kmask = self.key_mask(cta, tScS, 1)
         state = self.mma_start(pipe_kv, num_iters)
         for it in cutlass.range(num_iters, unroll=1):
             _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
@@ -317,7 +320,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             warpgroup.wait_group(1)  # S done
 
             S = acc_mn_view(acc_S)
-            self.mask_scores(S, tScS, 1, m_block, n_block, key_limit)
+            self.mask_scores(S, tScS, 1, m_block, n_block, key_limit, kmask, cta.full)
             # P = exp2(S * scale * log2 e - LSElog2[query]); exp2(-inf) = 0.
             for r in cutlass.range_constexpr(n_rows):
                 for c in cutlass.range_constexpr(n_cols):

@@ -53,7 +53,7 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
-from jax_fa4.kernels.mask import TileMask
+from jax_fa4.kernels.mask import BlockRange, RangeMask, TileMask
 from jax_fa4.kernels.softmax import (
     OnlineSoftmax,
     acc_mn_view,
@@ -219,15 +219,21 @@ def lpt_section_size(kv_blocks, group, kv_block_bytes: int,
     return section
 
 
-def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
+def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
+              ) -> Sm90FwdTiles:
     """The tile table: one row per head dim (D, Dv up to 64, up to 128, or both 256)
-    and mask. Configurations from FA3's Hopper forward; every other choice measured
-    on the H200 (bf16) against the row without it.
+    and mask (none, top-left causal, or ``masked``: per-row key intervals, which
+    runs as causal does). Configurations from FA3's Hopper forward; every other
+    choice measured on the H200 (bf16) against the row without it.
 
     Register budgets: 2 consumer warpgroups of 240 and a producer of 24 (24 x 128 +
     240 x 256 <= 64K registers a CTA), or 3 of 160 and 32.
     """
     d = max(head_dim, head_dim_v)
+    # Intervals: tiles of unequal cost, as causal ones; no K/V multicast (the two
+    # CTAs of a cluster would visit different blocks).
+    bitmask = causal and not masked
+    causal = causal or masked
     if d <= 64:
         # 192 x 128 with 3 consumer warpgroups: faster than 128 x 128 with 2. No K/V
         # multicast: slower here (a head's last cluster often runs a block past the end).
@@ -235,7 +241,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
             tile_m=192, tile_n=128, num_stages=2, consumer_regs=160, producer_regs=32,
             persistent=True,
             pin_p=True,
-            mask_bitmask=causal,  # faster causal at hdim 64 (not at 128)
+            mask_bitmask=bitmask,  # faster causal at hdim 64 (not at 128)
             row_sum_chains=0 if causal else 2,  # faster non-causal, slower causal
         )
     if d <= 128:
@@ -254,7 +260,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool) -> Sm90FwdTiles:
         # level here.
         return Sm90FwdTiles(
             tile_m=128, tile_n=80, num_stages=2, consumer_regs=240, producer_regs=24,
-            cluster_m=2,  # K/V multicast: faster, both masks
+            cluster_m=1 if masked else 2,  # K/V multicast: faster, both masks
             prune_diagonal_loop=True,  # the largest compile; level on the H200
             merge_diagonal_loop=causal,  # compile time too; level on the H200
         )
@@ -311,22 +317,34 @@ class FlashFwdSm90(FwdCall):
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
     tiles: override the tile table (``fwd_tiles``), for tuning.
+    masked: the call takes each query's interval of visible keys, (B, Sq, 2) int32
+        (rules/ranges.py), which carries every mask (causal must then be False).
+    segments: with ``masked``: the call also takes the query and key segment ids,
+        (B, Sq) and (B, Sk) int32, compared where a document is not contiguous.
     """
 
     def __init__(self, dtype: Any, head_dim: int, head_dim_v: int | None = None,
                  causal: bool = False, softmax_scale: float | None = None,
-                 tiles: Sm90FwdTiles | None = None):
+                 tiles: Sm90FwdTiles | None = None, masked: bool = False,
+                 segments: bool = False):
         self.dtype = as_cutlass_dtype(dtype, "sm90 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("head dims must be multiples of 16")
+        if masked and causal or segments and not masked:
+            raise ValueError("masked kernels carry causal in their intervals, and "
+                             "segments need masked")
         self.causal = causal
+        self.masked = masked
+        self.segments = segments
+        # Tiles of unequal cost: launched (or handed out) longest first.
+        self.lpt = causal or masked
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )
         self.scale_log2 = self.softmax_scale * LOG2_E
-        self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
+        self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal, masked)
         t = self.tiles
         self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
         if self.tile_m not in (128, 192):
@@ -339,7 +357,7 @@ class FlashFwdSm90(FwdCall):
         self.persistent = t.persistent
         # Causal tiles differ in cost: persistent CTAs take them from a global
         # counter (the call's extra operand, see FlashFwdSm90Dynamic).
-        self.dynamic = self.persistent and causal
+        self.dynamic = self.persistent and self.lpt
         self.num_sms = sm_count() if self.persistent else 0
         self.cluster_m = t.cluster_m
         if self.cluster_m not in (1, 2):
@@ -359,9 +377,12 @@ class FlashFwdSm90(FwdCall):
     # ------------------------------------------------------------------ host
     @cute.jit
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-               mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None = None):
-        """The host side of ``FwdCall.__call__``: the tensors as it takes them, and the
-        dynamic scheduler's (1,) int32 tile counter (zero at launch) or None."""
+               mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None = None,
+               mRanges: cute.Tensor | None = None, mQSeg: cute.Tensor | None = None,
+               mKSeg: cute.Tensor | None = None):
+        """The host side of ``FwdCall.__call__``: the tensors as it takes them, the
+        dynamic scheduler's (1,) int32 tile counter (zero at launch) or None, and
+        with ``masked`` the key intervals (and with ``segments`` the ids)."""
         if cutlass.const_expr(self.dynamic and mTileCounter is None):
             raise TypeError("the causal persistent forward takes a tile counter: call "
                             "FlashFwdSm90Dynamic (see make_fwd_sm90)")
@@ -441,7 +462,7 @@ class FlashFwdSm90(FwdCall):
         if cutlass.const_expr(self.persistent):
             total = grid[0] * grid[1] * grid[2] // c
             grid = (cutlass.min(total, self.num_sms // c) * c, 1, 1)
-        if cutlass.const_expr(self.causal and not self.persistent):
+        if cutlass.const_expr(self.lpt and not self.persistent):
             # The LPT order over a 1-D grid (``block_coord``).
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
@@ -451,6 +472,9 @@ class FlashFwdSm90(FwdCall):
             tma_O,
             mLSE,
             mTileCounter,
+            mRanges,
+            mQSeg,
+            mKSeg,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -475,6 +499,9 @@ class FlashFwdSm90(FwdCall):
         mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B) f32
         mTileCounter: cute.Tensor | None,  # (1,) int32 (dynamic scheduler only)
+        mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
+        mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
+        mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -559,6 +586,10 @@ class FlashFwdSm90(FwdCall):
         group = mQ.shape[2] // mK.shape[2]
         head_kv = head // group
         n_block_max = self.n_block_max(m_block, seqlen_k)
+        blocks = None
+        if cutlass.const_expr(self.masked and not self.persistent):
+            blocks = self.kv_blocks(mRanges, m_block, batch, seqlen_q)
+            n_block_max = blocks.end
         # Causal with K/V multicast: the cluster loads the key blocks of its last
         # query block; the others skip the ones past their own (Note [K/V multicast]).
         n_load, n_skip = n_block_max, None
@@ -585,7 +616,7 @@ class FlashFwdSm90(FwdCall):
                 if cutlass.const_expr(self.dynamic):
                     self.load_dynamic(
                         load_ops, q_prod, kv_prod, pipe_sched,
-                        storage.sched.get_tensor(cute.make_layout(2)), mTileCounter)
+                        storage.sched.get_tensor(cute.make_layout(2)), mTileCounter, mRanges)
                 elif cutlass.const_expr(self.persistent):
                     num_m, total = self.tile_count(mQ)
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
@@ -597,12 +628,13 @@ class FlashFwdSm90(FwdCall):
                             cute.ceil_div(seqlen_k, self.tile_n))
                 else:
                     self.load(*load_ops, q_prod, kv_prod, m_block, head, head_kv, batch,
-                              n_load)
+                              n_load, blocks)
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
             # What every tile's ``consume`` takes before the pipeline states.
             consume_ops = (mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                            pipe_q, pipe_k, pipe_v)
+            masks = (mRanges, mQSeg, mKSeg)
             if cutlass.const_expr(self.persistent):
                 # Warpgroup 1 takes the first GEMM turn (ping-pong); the turns then
                 # alternate through every tile.
@@ -617,9 +649,14 @@ class FlashFwdSm90(FwdCall):
                     t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                     while t < total:
                         t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK)
+                        t_blocks = None
+                        t_max = self.n_block_max(t_m, seqlen_k)
+                        if cutlass.const_expr(self.masked):
+                            t_blocks = self.kv_blocks(mRanges, t_m, t_batch, seqlen_q)
+                            t_max = t_blocks.end
                         q_cons, kv_cons = self.consume(
                             *consume_ops, q_cons, kv_cons, t_m, t_head, t_batch, seqlen_q,
-                            seqlen_k, self.n_block_max(t_m, seqlen_k), first_turn=False)
+                            seqlen_k, t_max, first_turn=False, blocks=t_blocks, masks=masks)
                         t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                 else:
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
@@ -634,7 +671,8 @@ class FlashFwdSm90(FwdCall):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
                 self.consume(*consume_ops, q_cons, kv_cons, m_block, head, batch, seqlen_q,
-                             seqlen_k, n_block_max, first_turn=True, n_skip=n_skip)
+                             seqlen_k, n_block_max, first_turn=True, n_skip=n_skip,
+                             blocks=blocks, masks=masks)
         if cutlass.const_expr(c > 1):
             # No CTA leaves while its peer may still multicast into it or release
             # its stages (Note [K/V multicast]).
@@ -651,7 +689,7 @@ class FlashFwdSm90(FwdCall):
         # With K/V multicast the order is over clusters (units of c query blocks of
         # one head), the CTA taking block c unit + rank.
         unit = bidx if cutlass.const_expr(c == 1) else bidx // c
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.lpt):
             m_block, head, batch = self.lpt_coord(unit, mQ, mK)
             m_block = self.cta_block(m_block)
         return m_block, head, batch
@@ -689,6 +727,7 @@ class FlashFwdSm90(FwdCall):
         pipe_sched,
         sched: cute.Tensor,  # (2,) int32 in SMEM
         mTileCounter: cute.Tensor,  # (1,) int32, zero at launch
+        mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
     ):
         """Load warp of the dynamic scheduler: the CTA's first tile is its block
         index; each next one is grid + the global counter's old value (one atomic
@@ -712,8 +751,13 @@ class FlashFwdSm90(FwdCall):
             if lane == 0:
                 claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
             t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK)
+            t_blocks = None
+            t_max = self.n_block_max(t_m, seqlen_k)
+            if cutlass.const_expr(self.masked):
+                t_blocks = self.kv_blocks(mRanges, t_m, t_batch, mQ.shape[0])
+                t_max = t_blocks.end
             q_state, state = self.load(*load_ops, q_state, state, t_m, t_head, t_head // group,
-                                       t_batch, self.n_block_max(t_m, seqlen_k))
+                                       t_batch, t_max, t_blocks)
             t = grid + cute.arch.shuffle_sync(claimed, 0)
         pipe_sched.producer_acquire(s_prod)
         sched[s_prod.index] = t
@@ -753,6 +797,13 @@ class FlashFwdSm90(FwdCall):
         hb = t // num_m
         return t - hb * num_m, hb % num_heads, hb // num_heads
 
+    def kv_blocks(self, mRanges: cute.Tensor, m_block, batch, seqlen_q) -> BlockRange:
+        """The key blocks query block m_block visits (masked): every warp that needs
+        them reduces the tile's intervals itself, so the roles agree without
+        talking."""
+        return BlockRange(mRanges, self.tile_m, self.tile_n, m_block, batch, seqlen_q,
+                          at_least_one=True)
+
     def n_block_max(self, m_block, seqlen_k):
         """KV blocks this query block sees (causal: up to its last row)."""
         n = cute.ceil_div(seqlen_k, self.tile_n)
@@ -782,8 +833,10 @@ class FlashFwdSm90(FwdCall):
         head_kv: Int32,
         batch: Int32,
         n_block_max: Int32,
+        blocks: BlockRange | None = None,
     ):
-        """Producer warp: Q once, then K/V blocks from the last one down to 0.
+        """Producer warp: Q once, then K/V blocks from the last one down to 0 (masked:
+        down to ``blocks.first``).
         Returns the advanced (Q, K/V) pipeline states.
 
         K of block n is loaded before V of block n + 1, the order the consumers
@@ -818,16 +871,17 @@ class FlashFwdSm90(FwdCall):
             mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
 
         n_last = n_block_max - 1
+        n_first = 0 if cutlass.const_expr(blocks is None) else blocks.first
         self._load_kv(pipe_k, tma_atom_K, tKgK, tKsK, n_last, state, mcast)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        for i in cutlass.range(n_last, unroll=1):
+        for i in cutlass.range(n_last - n_first, unroll=1):
             n_prev = n_last - i
             state_prev = state.clone()
             state.advance()
             self._load_kv(pipe_k, tma_atom_K, tKgK, tKsK, n_prev - 1, state, mcast)
             self._load_kv(pipe_v, tma_atom_V, tVgV, tVsV, n_prev, state_prev, mcast)
-        self._load_kv(pipe_v, tma_atom_V, tVgV, tVsV, 0, state, mcast)
+        self._load_kv(pipe_v, tma_atom_V, tVgV, tVsV, n_first, state, mcast)
         state.advance()
         q_state.advance()
         return q_state, state
@@ -891,11 +945,15 @@ class FlashFwdSm90(FwdCall):
         n_block_max: Int32,
         first_turn: cutlass.Constexpr[bool],
         n_skip=None,
+        blocks: BlockRange | None = None,
+        masks: tuple = (None, None, None),
     ):
         """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
         pipeline states. first_turn: give warpgroup 1 the first GEMM turn here (a
         persistent CTA does that once, before its first tile). n_skip: K / V stages
-        to release unread first (causal K/V multicast)."""
+        to release unread first (causal K/V multicast). blocks, masks: with
+        ``masked``, the tile's key blocks and (key intervals, query and key segment
+        ids)."""
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
         wg_layout = cute.make_layout(self.num_consumer_wg, stride=_THREADS_PER_WG)
@@ -921,8 +979,12 @@ class FlashFwdSm90(FwdCall):
         softmax = OnlineSoftmax(self.scale_log2, cute.size(acc_mn_view(acc_O), mode=[0]),
                                 row_sum_chains=self.tiles.row_sum_chains)
         softmax.reset()
-        mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk, tiled_mma_qk.get_slice(0),
-                        bitmask=self.tiles.mask_bitmask)
+        if cutlass.const_expr(self.masked):
+            mask = RangeMask(self.tile_m, self.tile_n, thr_mma_qk, tiled_mma_qk.get_slice(0),
+                             *masks, m_block, batch, seqlen_q, seqlen_k)
+        else:
+            mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk,
+                            tiled_mma_qk.get_slice(0), bitmask=self.tiles.mask_bitmask)
 
         # Warpgroup 1 takes the first GEMM turn. (A compile-time and a run-time
         # test cannot share one `if` in the DSL.)
@@ -999,7 +1061,17 @@ class FlashFwdSm90(FwdCall):
         mask.apply(acc_S, m_block, n_last, mask_seqlen=True, mask_causal=self.causal)
         softmax.online_softmax(acc_S, is_first=True)
         to_p(acc_S)
-        if cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
+        if cutlass.const_expr(self.masked):
+            # Blocks n_last - 1 down to the first; those with a masked element
+            # (``BlockRange.needs_mask``) mask by a run-time test.
+            n_first, full_first, full_end = blocks.first, blocks.full_first, blocks.full_end
+            inexact = blocks.inexact
+            for i in cutlass.range(n_last - n_first, unroll=1):
+                n = n_last - 1 - i
+                state = self._overlapped_step(
+                    state, n, *step_args, mask_causal=True,
+                    mask_if=BlockRange.masked_block(n, full_first, full_end, inexact))
+        elif cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
             # Blocks n_last - 1 down to 0; those >= n_causal touch the diagonal.
             for i in cutlass.range(n_last, unroll=1):
                 state = self._overlapped_step(state, n_last - 1 - i, *step_args,
@@ -1146,17 +1218,19 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.dynamic:
-            raise ValueError("FlashFwdSm90Dynamic is the causal persistent forward")
+            raise ValueError("FlashFwdSm90Dynamic is the causal / masked persistent forward")
 
 
 
 def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
                   causal: bool = False, softmax_scale: float | None = None,
-                  tiles: Sm90FwdTiles | None = None) -> FlashFwdSm90:
+                  tiles: Sm90FwdTiles | None = None, masked: bool = False,
+                  segments: bool = False) -> FlashFwdSm90:
     """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
-    where its tiles make it the causal persistent kernel (which takes the tile
-    counter operand), else ``FlashFwdSm90``."""
+    where its tiles make it the causal (or masked) persistent kernel, which takes
+    the tile counter operand, else ``FlashFwdSm90``."""
     hv = head_dim if head_dim_v is None else head_dim_v
-    t = tiles or fwd_tiles(head_dim, hv, causal)
-    cls = FlashFwdSm90Dynamic if t.persistent and causal else FlashFwdSm90
-    return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t)
+    t = tiles or fwd_tiles(head_dim, hv, causal, masked)
+    cls = FlashFwdSm90Dynamic if t.persistent and (causal or masked) else FlashFwdSm90
+    return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t, masked=masked,
+               segments=segments)

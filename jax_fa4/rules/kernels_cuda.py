@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax_fa4.config import AttentionConfig, deterministic_bwd_support_error, dtype_name
 from jax_fa4.ffi import cutlass_available, kernel_call
 from jax_fa4.rules.plan import bwd_plan, fwd_plan
+from jax_fa4.rules.ranges import key_ranges, mask_arrays, query_ranges
 
 # Per tensor: the dimensions that are compile-time constants (the head dims).
 _BSHD = (3,)
@@ -40,15 +41,33 @@ def _positive_scale(q, config: AttentionConfig):
     return -q, dataclasses.replace(config, scale=-config.scale)
 
 
-def forward(q, k, v, *, config: AttentionConfig, arch: str):
-    """(out [B,Sq,Hq,Dv], lse [B,Hq,Sq] f32) from the forward kernel."""
+def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool):
+    """The masked kernels' operands after their others: each query's key interval
+    (forward) or each key's query interval (backward), then with segment ids the
+    ids (rules/ranges.py)."""
+    m = mask_arrays(config, masks)
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    if keys:
+        ranges = key_ranges(config, sq, sk, m, b)
+    else:
+        ranges = query_ranges(config, sq, sk, m, b)
+    ops, static = (ranges,), ((2,),)
+    if config.segments:
+        ops += (m.q_segment_ids.astype(jnp.int32), m.kv_segment_ids.astype(jnp.int32))
+        static += ((), ())
+    return ops, static
+
+
+def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
+    """(out [B,Sq,Hq,Dv], lse [B,Hq,Sq] f32) from the forward kernel. masks: the mask
+    arrays the config names (AttentionConfig)."""
     q, config = _positive_scale(q, config)
     b, sq, hq, _ = q.shape
     dv = v.shape[-1]
     if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
         return jnp.zeros((b, sq, hq, dv), q.dtype), jnp.zeros((b, hq, sq), jnp.float32)
     plan = fwd_plan(arch, dtype_name(q.dtype), q.shape[-1], dv, bool(config.causal),
-                    float(config.scale))
+                    float(config.scale), config.masked, config.segments)
     inputs, in_static = (q, k, v), (_BSHD, _BSHD, _BSHD)
     outs = (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
@@ -58,14 +77,18 @@ def forward(q, k, v, *, config: AttentionConfig, arch: str):
         inputs, in_static = inputs + (jnp.zeros((1,), jnp.int32),), in_static + ((0,),)
         outs, out_static = outs + (jax.ShapeDtypeStruct((1,), jnp.int32),), out_static + ((0,),)
         aliases = {3: 2}
+    if config.masked:
+        ops, static = _mask_operands(config, masks, q, k, keys=False)
+        inputs, in_static = inputs + ops, in_static + static
     out, lse = kernel_call(plan.key, plan.build, inputs, outs, in_static=in_static,
                            out_static=out_static, aliases=aliases)[:2]
     return out, lse
 
 
-def backward(q, k, v, out, lse, dout, *dlse, config: AttentionConfig, arch: str):
-    """(dq, dk, dv) from the three backward kernels. dlse: LSE's cotangent, or
-    nothing where it is a symbolic zero (the preprocess then reads none).
+def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str):
+    """(dq, dk, dv) from the three backward kernels. rest: the mask arrays the config
+    names, then LSE's cotangent, or nothing where it is a symbolic zero (the
+    preprocess then reads none).
 
     config.deterministic: the main kernel adds each query block's dQ partials in a
     fixed key-block order through per-block semaphores (head dims 64 and 128)."""
@@ -75,13 +98,19 @@ def backward(q, k, v, out, lse, dout, *dlse, config: AttentionConfig, arch: str)
             raise ValueError(err)
     if config.scale < 0:  # as forward: -q with |scale|; dL/dq is minus dL/d(-q)
         neg_q, config = _positive_scale(q, config)
-        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, *dlse, config=config, arch=arch)
+        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, *rest, config=config, arch=arch)
         return -dq, dk, dv
+    masks, dlse = rest[:config.num_mask_operands], rest[config.num_mask_operands:]
     b, sq, hq, _ = q.shape
     if b == 0 or hq == 0:  # no query attends to K and V: their gradients are zero
         return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
     plan = bwd_plan(arch, dtype_name(q.dtype), q.shape[-1], v.shape[-1], bool(config.causal),
-                    float(config.scale), bool(config.deterministic), bool(dlse))
+                    float(config.scale), bool(config.deterministic), bool(dlse), config.masked,
+                    config.segments)
+    if config.masked:
+        # A query that sees no key has lse -inf; as +inf its P = exp2(s - lse) is 0
+        # for every score, -inf (masked) ones included, where -inf would give NaN.
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     ws = plan.workspaces(b, sq, hq)
     dpsum, lse_log2, dq_accum = kernel_call(
         plan.pre, plan.build_pre, (out, dout, lse, *dlse), ws,
@@ -98,6 +127,9 @@ def backward(q, k, v, out, lse, dout, *dlse, config: AttentionConfig, arch: str)
         inputs, in_static = inputs + (jnp.zeros(sem.shape, sem.dtype),), in_static + (_BHS,)
         outs, out_static = outs + (sem,), out_static + (_BHS,)
         aliases[7] = 3
+    if config.masked:
+        ops, static = _mask_operands(config, masks, q, k, keys=True)
+        inputs, in_static = inputs + ops, in_static + static
     dq_accum, dk, dv = kernel_call(plan.main, plan.build_main, inputs, outs,
                                    in_static=in_static, out_static=out_static,
                                    aliases=aliases)[:3]

@@ -43,7 +43,9 @@ class FwdPlan:
             from jax_fa4.kernels.sm100_fwd import FlashFwdSm100 as make
         else:
             raise NotImplementedError(f"no forward kernel for {k.arch}")
-        return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale)
+        extra = {"masked": True, "segments": k.segments} if k.masked else {}
+        return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
+                    **extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,8 @@ class BwdPlan:
         else:
             raise NotImplementedError(f"no backward kernel for {k.arch}")
         extra = {"use_pdl": True} if self.pdl else {}
+        if k.masked:
+            extra.update(masked=True, segments=k.segments)
         return Kernel(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                       **extra)
 
@@ -118,28 +122,38 @@ class BwdPlan:
 
 @functools.cache
 def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-             scale: float) -> FwdPlan:
+             scale: float, masked: bool = False, segments: bool = False) -> FwdPlan:
+    """``masked``: the kernel takes key intervals that carry every mask, causal
+    included (``causal`` is then ignored); ``segments``: and the segment ids."""
+    if masked:
+        causal = False
     key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
-                    head_dim_v=head_dim_v, causal=causal, scale=scale)
+                    head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
+                    segments=segments)
     counter = False
     if arch == "sm_90a":
         from jax_fa4.kernels.sm90_fwd import fwd_tiles
 
-        counter = causal and fwd_tiles(head_dim, head_dim_v, causal).persistent
+        counter = (causal or masked) and fwd_tiles(head_dim, head_dim_v, causal,
+                                                   masked).persistent
     return FwdPlan(key=key, tile_counter=counter)
 
 
 @functools.cache
 def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-             scale: float, deterministic: bool, dlse: bool) -> BwdPlan:
+             scale: float, deterministic: bool, dlse: bool, masked: bool = False,
+             segments: bool = False) -> BwdPlan:
     """``dlse``: the preprocess takes LSE's cotangent (False where it is a symbolic
-    zero: nothing used the LSE)."""
+    zero: nothing used the LSE). ``masked`` / ``segments``: as ``fwd_plan``, for
+    the main kernel (which takes the keys' query intervals)."""
+    if masked:
+        causal = False
     stat_block = dq_tile_m = 0
     if arch == "sm_90a" and head_dim in (64, 128):
         from jax_fa4.kernels.sm90_bwd import dq_accum_flat_tile_m, stats_thread_block
 
-        stat_block = stats_thread_block(head_dim, causal) or 0
-        dq_tile_m = dq_accum_flat_tile_m(head_dim, causal) or 0
+        stat_block = stats_thread_block(head_dim, causal, masked) or 0
+        dq_tile_m = dq_accum_flat_tile_m(head_dim, causal, masked) or 0
     sem_tile_m = 0
     if deterministic:
         if arch == "sm_90a":
@@ -154,7 +168,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         pre=KernelKey(kind="bwd_pre", causal=False, scale=1.0, stat_block=stat_block,
                       dlse=dlse, **common),
         main=KernelKey(kind="bwd_det" if deterministic else "bwd", causal=causal, scale=scale,
-                       **common),
+                       masked=masked, segments=segments, **common),
         post=KernelKey(kind="bwd_post", causal=False, scale=scale, dq_tile_m=dq_tile_m,
                        **common),
         sem_tile_m=sem_tile_m,

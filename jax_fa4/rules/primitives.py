@@ -26,6 +26,7 @@ from jax_fa4.config import (
     target_arch,
 )
 from jax_fa4.rules import kernels_cuda, sharding
+from jax_fa4.rules.ranges import mask_arrays, masked_kernel_error
 
 logger = logging.getLogger("jax_fa4")
 _logged: set[str] = set()
@@ -170,20 +171,9 @@ batching.primitive_batchers[fa4_bwd_p] = functools.partial(_batch_rule, fa4_bwd_
 # Lowering
 
 
-def _mask_arrays(config: AttentionConfig, operands) -> reference.Masks:
-    """The per-batch mask operands the config names, by name."""
-    it = iter(operands)
-    return reference.Masks(
-        next(it) if config.q_lengths else None,
-        next(it) if config.kv_lengths else None,
-        next(it) if config.segments else None,
-        next(it) if config.segments else None,
-    )
-
-
 def _mask_kwargs(config: AttentionConfig, masks) -> dict:
     return dict(causal=config.causal, bottom_right=config.bottom_right, window=config.window,
-                masks=_mask_arrays(config, masks))
+                masks=mask_arrays(config, masks))
 
 
 def _reference_fwd(q, k, v, *masks, config):
@@ -220,7 +210,7 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
         return None, f"no kernel for this GPU ({source})"
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
     if err is None and config.masked:
-        err = f"no kernel takes {', '.join(config.mask_features())} yet"
+        err = masked_kernel_error(arch, kind, config)
     if err is None and kind == "bwd" and config.deterministic:
         err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
     if err is None:

@@ -1,0 +1,225 @@
+"""Masked attention speed: jax_fa4's masked kernels against flash-attn-4 (PyTorch) and
+cuDNN (jax.nn.dot_product_attention) where they take the same mask, all in one
+process, timed as bench_attention.py times (alternating rounds, settling, medians;
+see its docstring). bf16, hidden 2048 (16 heads of 128).
+
+Cases (the masks issue's rows):
+  lengths      B=2 x 8k, causal, key lengths (8192, 4096)      vs cuDNN
+  window 8k    B=2 x 8k, causal, window (1024, 0)              vs cuDNN, flash-attn-4
+  window 32k   B=1 x 32k, causal, window (1024, 0)             vs cuDNN, flash-attn-4
+  packed       B=2 x 8k rows of 8 documents of 1k, causal      vs flash-attn-4 varlen
+               (cu_seqlens) and jax_fa4's plain causal over the whole rows
+  chunk        Sq = 1k queries against Sk = 8k keys, B=2,       vs flash-attn-4 causal
+               bottom-right causal (chunked prefill)            (its causal is bottom-right)
+
+TFLOP/s count the visible (query, key) pairs: forward 4 * H * D * pairs, backward 2.5x.
+Writes bench_masks_<date>.csv to --out (default ./bench_out).
+
+    python benchmarks/bench_masks.py [--out DIR] [--peers fa4,cudnn] [--cases lengths,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_attention import (  # noqa: E402
+    MiB,
+    Prepared,
+    measure_rounds,
+    prepare_jax,
+    release_torch_memory,
+)
+
+import jax_fa4  # noqa: E402
+from jax_fa4.reference import Masks, visible  # noqa: E402
+
+HEADS, HDIM = 16, 128
+
+
+@dataclass
+class Case:
+    name: str
+    b: int
+    sq: int
+    sk: int
+    # jax_fa4.attention's mask arguments; jax.nn's for cuDNN (None: cuDNN has none).
+    ours: dict
+    cudnn: dict | None = None
+    # flash-attn-4: "func" (flash_attn_func with these kwargs), "varlen" (documents of
+    # ``doc`` tokens through flash_attn_varlen_func), or None.
+    fa4: str | None = None
+    fa4_kwargs: dict = field(default_factory=dict)
+    doc: int = 0
+    # Also time jax_fa4 with plain causal on the same shape ("plain").
+    plain: bool = False
+
+
+def cases() -> list[Case]:
+    docs = np.repeat(np.arange(8, dtype=np.int32), 1024)[None].repeat(2, 0)
+    lengths = np.array([8192, 4096], np.int32)
+    return [
+        Case("lengths", 2, 8192, 8192, dict(causal=True, kv_lengths=lengths),
+             cudnn=dict(is_causal=True, key_value_seq_lengths=lengths)),
+        Case("window8k", 2, 8192, 8192, dict(causal=True, window=(1024, 0)),
+             cudnn=dict(is_causal=True, local_window_size=(1024, 0)), fa4="func",
+             fa4_kwargs=dict(causal=True, window_size=(1024, 0))),
+        Case("window32k", 1, 32768, 32768, dict(causal=True, window=(1024, 0)),
+             cudnn=dict(is_causal=True, local_window_size=(1024, 0)), fa4="func",
+             fa4_kwargs=dict(causal=True, window_size=(1024, 0))),
+        Case("packed", 2, 8192, 8192, dict(causal=True, q_segment_ids=docs), fa4="varlen",
+             doc=1024, plain=True),
+        Case("chunk", 2, 1024, 8192, dict(causal="bottom_right"), fa4="func",
+             fa4_kwargs=dict(causal=True)),
+    ]
+
+
+def visible_pairs(c: Case) -> int:
+    """Visible (query, key) pairs of the case, counted with the reference's rule."""
+    kw = c.ours
+    causal = kw.get("causal", False)
+    m = Masks(None, None if "kv_lengths" not in kw else jnp.asarray(kw["kv_lengths"]),
+              None if "q_segment_ids" not in kw else jnp.asarray(kw["q_segment_ids"]),
+              None if "q_segment_ids" not in kw else jnp.asarray(kw["q_segment_ids"]))
+    total = 0
+    step = 1024
+    for i0 in range(0, c.sq, step):
+        q_idx = jnp.arange(i0, min(i0 + step, c.sq))
+        vis = visible(q_idx, jnp.arange(c.sk), c.sq, c.sk, causal=bool(causal),
+                      bottom_right=causal == "bottom_right", window=kw.get("window"), masks=m)
+        total += int(jnp.broadcast_to(vis, (c.b, *vis.shape[1:])).sum())
+    return total
+
+
+def _jnp(kw):
+    return {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+
+
+def prepare_fa4(c: Case, q, k, v) -> Prepared:
+    """flash-attn-4 (PyTorch) on the case's mask, ready to time, with its peak memory."""
+    import torch
+    from flash_attn.cute import interface
+
+    tq, tk, tv = (torch.from_numpy(np.array(x.astype(jnp.float32))).cuda().bfloat16()
+                  for x in (q, k, v))
+    if c.fa4 == "varlen":
+        # The batch's rows as one sequence of documents.
+        tq, tk, tv = (t.reshape(-1, *t.shape[2:]) for t in (tq, tk, tv))
+        n = tq.shape[0] // c.doc
+        cu = torch.arange(0, (n + 1) * c.doc, c.doc, dtype=torch.int32, device="cuda")
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        params = inspect.signature(interface.flash_attn_varlen_func).parameters
+        if "max_seqlen_q" in params:
+            kw.update(max_seqlen_q=c.doc, max_seqlen_k=c.doc)
+        func = interface.flash_attn_varlen_func
+    else:
+        kw, func = dict(c.fa4_kwargs), interface.flash_attn_func
+    for t in (tq, tk, tv):
+        t.requires_grad_(True)
+
+    def fwd():
+        out = func(tq, tk, tv, **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    dout = torch.randn_like(fwd())
+    torch.autograd.grad(fwd(), (tq, tk, tv), dout)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(fwd(), (tq, tk, tv), dout)
+    torch.cuda.synchronize()
+    mem = {"peak_mib": (torch.cuda.max_memory_allocated() - before) / MiB}
+    del grads
+    out = fwd()
+    return Prepared(fwd, lambda: torch.autograd.grad(out, (tq, tk, tv), dout,
+                                                     retain_graph=True),
+                    lambda _: torch.cuda.synchronize(), mem)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="folder for the CSV (default ./bench_out)")
+    p.add_argument("--peers", default="fa4,cudnn", help="fa4 (flash-attn-4, PyTorch), cudnn")
+    p.add_argument("--cases", default="", help="only these cases (names, comma-separated)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--settle-ms", type=float, default=200.0)
+    args = p.parse_args(argv)
+    peers = set(args.peers.split(",")) if args.peers else set()
+    os.makedirs(args.out, exist_ok=True)
+    chosen = [c for c in cases() if not args.cases or c.name in args.cases.split(",")]
+    rows = []
+    for i, c in enumerate(chosen):
+        kq, kk, kv = jax.random.split(jax.random.key(i), 3)
+        q = jax.random.normal(kq, (c.b, c.sq, HEADS, HDIM), jnp.bfloat16)
+        k, v = (jax.random.normal(x, (c.b, c.sk, HEADS, HDIM), jnp.bfloat16) for x in (kk, kv))
+        ours = _jnp(c.ours)
+        impls = {"jax_fa4": lambda q, k, v, _, kw=ours: jax_fa4.attention(
+            q, k, v, implementation="cute", **kw)}
+        if c.plain:
+            impls["jax_fa4_plain"] = lambda q, k, v, _: jax_fa4.attention(
+                q, k, v, causal=True, implementation="cute")
+        if c.cudnn is not None and "cudnn" in peers:
+            theirs = _jnp(c.cudnn)
+            impls["cudnn"] = lambda q, k, v, _, kw=theirs: jax.nn.dot_product_attention(
+                q, k, v, implementation="cudnn", **kw)
+        preps = {}
+        for name, attn in impls.items():
+            print(f"[{i + 1}/{len(chosen)}] {c.name}: {name} (set up) ...", flush=True)
+            try:
+                preps[name] = prepare_jax(attn, q, k, v, None)
+            except Exception as e:  # noqa: BLE001 - report and continue with the others
+                print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if c.fa4 is not None and "fa4" in peers:
+            try:
+                preps["fa4_torch"] = prepare_fa4(c, q, k, v)
+            except Exception as e:  # noqa: BLE001
+                print(f"  fa4_torch failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        results = measure_rounds(preps, args.iters, args.rounds, args.settle_ms / 1e3)
+        pairs = visible_pairs(c)
+        for name, (tf, tb, mem, rf, rb) in results.items():
+            rows.append(dict(case=c.name, impl=name, batch=c.b, seqlen_q=c.sq, seqlen_k=c.sk,
+                             fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
+                             fwd_tflops=4.0 * HEADS * HDIM * pairs / tf / 1e12,
+                             bwd_tflops=10.0 * HEADS * HDIM * pairs / tb / 1e12,
+                             temp_mib=mem.get("temp_mib"), peak_mib=mem.get("peak_mib"),
+                             fwd_range=rf, bwd_range=rb))
+        del preps
+        if "fa4" in peers:
+            release_torch_memory()
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    path = os.path.join(args.out, f"bench_masks_{stamp}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["case"])
+        w.writeheader()
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    print("\ncase       impl          fwd TF/s  bwd TF/s   fwd ms   bwd ms  | jax_fa4's "
+          "speed-up fwd / bwd | temp/peak MiB | range f% b%")
+    by = {(r["case"], r["impl"]): r for r in rows}
+    for r in rows:
+        ours = by[(r["case"], "jax_fa4")]
+        ratio = (f"{r['fwd_ms'] / ours['fwd_ms']:6.3f} {r['bwd_ms'] / ours['bwd_ms']:6.3f}"
+                 if r["impl"] != "jax_fa4" else " " * 13)
+        mem = r["temp_mib"] if r["temp_mib"] is not None else r["peak_mib"]
+        print(f"{r['case']:<10} {r['impl']:<13} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} "
+              f"{r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f}  | {ratio:>27} | "
+              f"{'-' if mem is None else f'{mem:.0f}':>13} | "
+              f"{100 * r['fwd_range']:4.1f} {100 * r['bwd_range']:4.1f}")
+    print(f"csv: {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The masks as the kernels take them: one interval of visible keys per query row
+(forward) and one interval of seeing queries per key (backward).
+
+Every mask ``attention`` takes (reference.py's rule) leaves each query row a set of
+visible keys that is one interval, except segment ids whose documents are not
+contiguous: the lengths cut both ends, the causal diagonal and the window each
+bound one side, and a contiguous segment is an interval. So the kernels take
+no mask parameters at all: a small pass here turns the mask arguments into
+int32 intervals, ``[B, Sq, 2]`` (keys ``[lo, hi)`` of each query) and
+``[B, Sk, 2]`` (queries ``[lo, hi)`` of each key), and one compiled kernel serves
+every causal mode, window, length vector and segment layout. A kernel reduces
+the intervals of a tile's rows to the blocks it visits (no fully masked block is
+loaded) and to those whose every element is visible (no element mask there);
+``block_ranges`` mirrors that reduction on the host for tests.
+
+Encoding (Note [Interval encoding]):
+
+* an empty interval (a query that sees no key, a key no query sees, rows past the
+  lengths) is ``(EMPTY_LO, 0)``: it neither widens a tile's block range nor
+  passes any element test;
+* segment ids that repeat after another id (documents not contiguous) make the
+  interval ``[first, last + 1)`` of the matching keys, which holds others too:
+  such rows store ``hi`` bit-inverted (``~hi < 0``) and the kernel then also
+  compares the segment ids of each element of their tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4.config import AttentionConfig
+from jax_fa4.reference import Masks
+
+# The lower end of an empty interval: above every sequence position.
+EMPTY_LO = 1 << 30
+
+
+# The (architecture, direction) pairs whose kernels take the intervals.
+MASKED_KERNELS = {("sm_90a", "fwd"), ("sm_90a", "bwd")}
+
+
+def masked_kernel_error(arch: str, kind: str, config: AttentionConfig) -> str | None:
+    """Why no kernel of ``arch`` runs this masked ``kind`` ("fwd" / "bwd"), or None."""
+    what = ", ".join(config.mask_features())
+    if (arch, kind) not in MASKED_KERNELS:
+        direction = "forward" if kind == "fwd" else "backward"
+        return f"no {arch} {direction} kernel takes {what} yet"
+    if kind == "bwd" and config.deterministic:
+        return f"no deterministic backward kernel takes {what} yet"
+    return None
+
+
+def mask_arrays(config: AttentionConfig, operands) -> Masks:
+    """The per-batch mask operands the config names, by name (their order is
+    ``AttentionConfig``'s)."""
+    it = iter(operands)
+    return Masks(
+        next(it) if config.q_lengths else None,
+        next(it) if config.kv_lengths else None,
+        next(it) if config.segments else None,
+        next(it) if config.segments else None,
+    )
+
+
+def _lengths(masks: Masks, b: int, sq: int, sk: int):
+    lq = (jnp.full((b,), sq, jnp.int32) if masks.q_lengths is None
+          else jnp.clip(masks.q_lengths.astype(jnp.int32), 0, sq))
+    lk = (jnp.full((b,), sk, jnp.int32) if masks.kv_lengths is None
+          else jnp.clip(masks.kv_lengths.astype(jnp.int32), 0, sk))
+    return lq, lk
+
+
+def _occurrences(ids: jax.Array, of: jax.Array):
+    """For each value of ``of`` [B, M], where it occurs in ``ids`` [B, N]: (first,
+    last + 1, exact), exact when every position in between holds it too. A value
+    that does not occur gives (0, 0, True). One stable sort of ``ids``."""
+    n = ids.shape[1]
+    order = jnp.argsort(ids, axis=1, stable=True).astype(jnp.int32)
+    ordered = jnp.take_along_axis(ids, order, axis=1)
+    find = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
+    left = find(ordered, of, "left").astype(jnp.int32)
+    right = find(ordered, of, "right").astype(jnp.int32)
+    count = right - left
+    # Stable: equal ids keep their positions' order, so the first and the last of
+    # a run of equal sorted ids are the first and the last occurrence.
+    first = jnp.take_along_axis(order, jnp.clip(left, 0, n - 1), axis=1)
+    last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, n - 1), axis=1)
+    found = count > 0
+    lo = jnp.where(found, first, 0)
+    hi = jnp.where(found, last + 1, 0)
+    return lo, hi, count == hi - lo
+
+
+def _pack(lo, hi, exact, valid):
+    """(B, S, 2) int32 of the intervals (Note [Interval encoding] in the module
+    docstring)."""
+    empty = ~valid | (lo >= hi)
+    lo = jnp.where(empty, EMPTY_LO, lo)
+    hi = jnp.where(empty, 0, hi)
+    hi = jnp.where(exact | empty, hi, ~hi)
+    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+
+
+def query_ranges(config: AttentionConfig, sq: int, sk: int, masks: Masks, batch: int):
+    """[B, Sq, 2] int32: the keys ``[lo, hi)`` query i of batch b sees."""
+    lq, lk = _lengths(masks, batch, sq, sk)
+    i = jnp.arange(sq, dtype=jnp.int32)[None, :]
+    diag = i + ((lk - lq)[:, None] if config.bottom_right else 0)
+    lo = jnp.zeros((batch, sq), jnp.int32)
+    hi = jnp.broadcast_to(lk[:, None], (batch, sq))
+    if config.causal:
+        hi = jnp.minimum(hi, diag + 1)
+    if config.window is not None:
+        left, right = config.window
+        if left is not None:
+            lo = jnp.maximum(lo, diag - left)
+        if right is not None:
+            hi = jnp.minimum(hi, diag + right + 1)
+    exact = jnp.ones((batch, sq), bool)
+    if config.segments:
+        slo, shi, exact = _occurrences(masks.kv_segment_ids, masks.q_segment_ids)
+        lo, hi = jnp.maximum(lo, slo), jnp.minimum(hi, shi)
+    return _pack(lo, hi, exact, i < lq[:, None])
+
+
+def key_ranges(config: AttentionConfig, sq: int, sk: int, masks: Masks, batch: int):
+    """[B, Sk, 2] int32: the queries ``[lo, hi)`` that see key j of batch b."""
+    lq, lk = _lengths(masks, batch, sq, sk)
+    j = jnp.arange(sk, dtype=jnp.int32)[None, :]
+    # Query i's diagonal is i + off: key j is on the diagonal of query j - off.
+    at = j - ((lk - lq)[:, None] if config.bottom_right else 0)
+    lo = jnp.zeros((batch, sk), jnp.int32)
+    hi = jnp.broadcast_to(lq[:, None], (batch, sk))
+    if config.causal:
+        lo = jnp.maximum(lo, at)
+    if config.window is not None:
+        left, right = config.window
+        if left is not None:
+            hi = jnp.minimum(hi, at + left + 1)
+        if right is not None:
+            lo = jnp.maximum(lo, at - right)
+    exact = jnp.ones((batch, sk), bool)
+    if config.segments:
+        slo, shi, exact = _occurrences(masks.q_segment_ids, masks.kv_segment_ids)
+        lo, hi = jnp.maximum(lo, slo), jnp.minimum(hi, shi)
+    return _pack(lo, hi, exact, j < lk[:, None])
+
+
+def decode(ranges: np.ndarray):
+    """(lo, hi, exact) of packed intervals (numpy; tests)."""
+    lo, hi = ranges[..., 0], ranges[..., 1]
+    exact = hi >= 0
+    return lo, np.where(exact, hi, ~hi), exact
+
+
+def block_ranges(ranges: np.ndarray, tile: int, block: int, at_least_one: bool):
+    """The kernels' reduction (kernels/mask.py: ``BlockRange``) on the host (numpy;
+    tests): for each tile of ``tile`` rows of ``ranges`` [S, 2], (first block, end
+    block, first full block, end of the full blocks, exact) over blocks of ``block``
+    positions. Blocks outside [first, end) hold no visible element; blocks in
+    [full first, full end) hold only visible ones (unless not exact). With
+    ``at_least_one`` (the forward) a tile with no visible element still visits
+    block 0, fully masked."""
+    lo, hi, exact = decode(ranges)
+    out = []
+    for t0 in range(0, len(lo), tile):
+        tlo, thi = lo[t0:t0 + tile], hi[t0:t0 + tile]
+        first = int(tlo.min()) // block
+        end = -(-int(thi.max()) // block)
+        if at_least_one and end <= first:
+            first, end = 0, 1
+        end = max(end, first)
+        full_first = -(-int(tlo.max()) // block)
+        full_end = int(thi.min()) // block
+        out.append((first, end, full_first, full_end, bool(exact[t0:t0 + tile].all())))
+    return out

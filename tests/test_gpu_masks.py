@@ -1,0 +1,148 @@
+"""The masked kernels (key intervals, rules/ranges.py) on an sm_90a GPU against the
+f32 reference: causal modes, windows, lengths, segment ids (contiguous or not) and
+their compositions, with GQA, odd lengths and rows that see no key (out 0, lse
+-inf, zero gradients, no NaN). Outputs are poisoned; the 2x rule as in test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close_2x, rand_qkv
+
+import jax_fa4
+from jax_fa4 import reference
+from jax_fa4.ffi import poison_outputs
+
+pytestmark = pytest.mark.gpu
+
+CALL = "CuteDSLRT_NvJaxCutlassCall"
+
+
+def _docs(b, s, sizes, seed):
+    """[B, S] int32 ids of packed documents of the given sizes (cycled), contiguous."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((b, s), np.int32)
+    for n in range(b):
+        pos, doc = 0, int(rng.integers(0, 5))
+        while pos < s:
+            size = sizes[(doc + n) % len(sizes)]
+            out[n, pos:pos + size] = doc
+            pos, doc = pos + size, doc + 1
+    return out
+
+
+def _cases(b, sq, sk):
+    """name -> the mask keyword arguments of ``jax_fa4.attention`` (numpy arrays)."""
+    rng = np.random.default_rng(sq * 31 + sk)
+    kvl = np.array([sk, max(sk // 2 + 3, 1)] * b, np.int32)[:b]
+    ql = np.array([max(sq - 5, 1), 0] * b, np.int32)[:b]
+    seg = _docs(b, max(sq, sk), [97, 300, 5, 211], sq)
+    return {
+        "causal_kv_lengths": dict(causal=True, kv_lengths=kvl),
+        "q_lengths_empty": dict(q_lengths=ql, kv_lengths=np.array([sk, 0] * b, np.int32)[:b]),
+        "window": dict(window=(37, 11)),
+        "window_causal": dict(causal=True, window=(100, 0)),
+        "bottom_right": dict(causal="bottom_right"),
+        "bottom_right_lengths_window": dict(causal="bottom_right", window=(64, None),
+                                            q_lengths=ql[::-1].copy(), kv_lengths=kvl),
+        "segments_causal": dict(causal=True, q_segment_ids=seg[:, :sq],
+                                kv_segment_ids=seg[:, :sk]),
+        "segments_scattered": dict(q_segment_ids=rng.integers(0, 3, (b, sq)).astype(np.int32),
+                                   kv_segment_ids=rng.integers(0, 3, (b, sk)).astype(np.int32)),
+        "everything": dict(causal="bottom_right", window=(90, 7), q_segment_ids=seg[:, :sq],
+                           kv_segment_ids=seg[:, :sk], q_lengths=ql, kv_lengths=kvl),
+    }
+
+
+def _ref(q, k, v, kw, dtype):
+    masks = reference.Masks(
+        *(None if kw.get(n) is None else jnp.asarray(kw[n])
+          for n in ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")))
+    causal = kw.get("causal", False)
+    return reference.attention_dense(
+        q, k, v, scale=q.shape[-1] ** -0.5, causal=bool(causal),
+        bottom_right=causal == "bottom_right", window=kw.get("window"), masks=masks,
+        compute_dtype=dtype)
+
+
+def _kernel(q, k, v, kw):
+    return jax_fa4.attention(q, k, v, return_lse=True, implementation="cute",
+                             **{n: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+                                for n, x in kw.items()})
+
+
+def _assert_lse(got, hi, lo):
+    """-inf exactly where the reference has it (rows that see no key), else the 2x
+    rule."""
+    got, hi, lo = (np.asarray(x, np.float64) for x in (got, hi, lo))
+    empty = np.isneginf(hi)
+    assert np.array_equal(np.isneginf(got), empty), "lse: -inf rows differ"
+    assert not np.isnan(got).any()
+    if not empty.all():
+        assert_close_2x(got[~empty], hi[~empty], lo[~empty], atol=1e-3, name="lse")
+
+
+SHAPES = [(2, 300, 300, 4, 2), (2, 113, 503, 4, 1), (2, 503, 113, 2, 2), (1, 1000, 1000, 2, 1)]
+# Every shape at hdim 128; two at 64 and 256, to keep the device run short.
+CASES = ([(s, 128) for s in SHAPES] + [(s, 64) for s in SHAPES[1:3]]
+         + [(s, 256) for s in (SHAPES[0], SHAPES[3])])
+NAMES = list(_cases(1, 8, 8))
+
+
+@pytest.mark.parametrize("shape,d", CASES, ids=lambda c: "x".join(map(str, c))
+                         if isinstance(c, tuple) else f"d{c}")
+@pytest.mark.parametrize("name", NAMES)
+def test_masked_forward_and_backward(name, shape, d):
+    b, sq, sk, hq, hkv = shape
+    dtype = jnp.float16 if name == "window" else jnp.bfloat16
+    kw = _cases(b, sq, sk)[name]
+    q, k, v = rand_qkv(sq + 3 * d, b, sq, sk, hq, hkv, d, dtype=dtype)
+    kd = jax.random.split(jax.random.key(sk), 2)
+    dout = jax.random.normal(kd[0], (b, sq, hq, d)).astype(dtype)
+    dlse = jax.random.normal(kd[1], (b, hq, sq))
+
+    def run(f):
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        return (out, lse), pullback((dout, dlse))
+
+    fn = jax.jit(lambda: run(functools.partial(_kernel, kw=kw)))
+    with poison_outputs():
+        assert fn.lower().as_text().count(CALL) == 4
+        (out, lse), grads = fn()
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def ref_vjp(q, k, v, dout, dtype):
+        outs, pullback = jax.vjp(lambda q, k, v: _ref(q, k, v, kw, dtype), q, k, v)
+        return outs, pullback((dout, dlse))
+
+    (hi_out, hi_lse), hi_grads = ref_vjp(*f32, dout.astype(jnp.float32), jnp.float32)
+    (lo_out, lo_lse), lo_grads = ref_vjp(q, k, v, dout, dtype)
+    assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
+    _assert_lse(lse, hi_lse, lo_lse)
+    for n, g, h, lw in zip(("dq", "dk", "dv"), grads, hi_grads, lo_grads):
+        assert g.dtype == dtype
+        assert_close_2x(g, h, lw, atol=2e-3, name=n)
+
+
+def test_rows_without_keys_are_zero_with_zero_gradients():
+    b, sq, sk, hq, hkv, d = 2, 200, 300, 2, 2, 128
+    q, k, v = rand_qkv(7, b, sq, sk, hq, hkv, d)
+    kw = dict(q_lengths=jnp.array([150, 0], jnp.int32), kv_lengths=jnp.array([0, 300], jnp.int32))
+
+    def loss(q, k, v):
+        out, lse = _kernel(q, k, v, kw)
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+    with poison_outputs():
+        (out, lse) = jax.jit(functools.partial(_kernel, kw=kw))(q, k, v)
+        dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert np.all(np.asarray(out, np.float32) == 0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+    for g in (dq, dk, dv):
+        assert np.all(np.asarray(g, np.float32) == 0)

@@ -1,0 +1,93 @@
+"""The masks as intervals (rules/ranges.py), on the host: every mask of
+test_masks.py turned into per-query key intervals and per-key query intervals
+matches the documented visibility rule element for element, and the block
+reduction the kernels run (mirrored by ``block_ranges``) never skips a visible
+element nor leaves one unmasked."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_masks import CASES, visible_np
+
+from jax_fa4.config import AttentionConfig
+from jax_fa4.reference import Masks
+from jax_fa4.rules.ranges import EMPTY_LO, block_ranges, decode, key_ranges, query_ranges
+
+B, SQ, SK = 3, 37, 45
+RNG = np.random.default_rng(0)
+ALL = dict(CASES)
+# Documents that come back after another one: intervals hold other ids too.
+ALL["segments_scattered"] = dict(q_segment_ids=RNG.integers(0, 3, (B, SQ)).astype(np.int32),
+                                 kv_segment_ids=RNG.integers(0, 3, (B, SK)).astype(np.int32))
+ALL["scattered_causal_lengths"] = dict(ALL["segments_scattered"], causal=True,
+                                       q_lengths=np.array([37, 20, 2], np.int32))
+
+
+def _setup(kw):
+    causal = kw.get("causal", False)
+    config = AttentionConfig(scale=1.0, causal=bool(causal),
+                             bottom_right=causal == "bottom_right", window=kw.get("window"),
+                             q_lengths="q_lengths" in kw, kv_lengths="kv_lengths" in kw,
+                             segments="q_segment_ids" in kw)
+    masks = Masks(*(None if kw.get(n) is None else jnp.asarray(kw[n])
+                    for n in ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")))
+    vis = visible_np(B, SQ, SK, causal=causal, window=kw.get("window"),
+                     q_lengths=kw.get("q_lengths"), kv_lengths=kw.get("kv_lengths"),
+                     q_seg=kw.get("q_segment_ids"), kv_seg=kw.get("kv_segment_ids"))
+    return config, masks, vis
+
+
+def _check(ranges, vis, same_seg):
+    """Each row's visible set is its interval (exact rows) or its interval's
+    elements of the same segment (the others); an exact row that sees nothing has
+    the empty interval (EMPTY_LO, 0)."""
+    lo, hi, exact = decode(np.asarray(ranges))
+    pos = np.arange(vis.shape[-1])
+    inside = (pos >= lo[..., None]) & (pos < hi[..., None])
+    want = np.where(exact[..., None], inside, inside & same_seg)
+    np.testing.assert_array_equal(want, vis)
+    # (A row of a scattered segment may see none of its interval's keys: the
+    # compare masks them all.)
+    empty = ~vis.any(-1) & exact
+    assert np.all(lo[empty] == EMPTY_LO) and np.all(hi[empty] == 0)
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_intervals_are_the_visibility_rule(name):
+    kw = ALL[name]
+    config, masks, vis = _setup(kw)
+    if "q_segment_ids" in kw:
+        same = kw["q_segment_ids"][:, :, None] == kw["kv_segment_ids"][:, None, :]
+    else:
+        same = np.ones(vis.shape, bool)
+    _check(query_ranges(config, SQ, SK, masks, B), vis, same)
+    _check(key_ranges(config, SQ, SK, masks, B), vis.transpose(0, 2, 1),
+           same.transpose(0, 2, 1))
+    if name.startswith("segments_scattered"):
+        assert not decode(np.asarray(query_ranges(config, SQ, SK, masks, B)))[2].all()
+
+
+@pytest.mark.parametrize("name", list(ALL))
+@pytest.mark.parametrize("tile,block", [(8, 4), (16, 16), (5, 7)])
+def test_block_ranges_skip_only_masked_blocks(name, tile, block):
+    config, masks, vis = _setup(ALL[name])
+    for ranges, v, fwd in ((query_ranges(config, SQ, SK, masks, B), vis, True),
+                           (key_ranges(config, SQ, SK, masks, B), vis.transpose(0, 2, 1), False)):
+        ranges = np.asarray(ranges)
+        for b in range(B):
+            tiles = block_ranges(ranges[b], tile, block, at_least_one=fwd)
+            assert len(tiles) == -(-v.shape[1] // tile)
+            for t, (first, end, full_first, full_end, exact) in enumerate(tiles):
+                rows = v[b, t * tile:(t + 1) * tile]
+                cols = np.arange(v.shape[2]) // block
+                visited = (cols >= first) & (cols < end)
+                assert not rows[:, ~visited].any(), (b, t)
+                if exact:
+                    full = (cols >= full_first) & (cols < full_end)
+                    assert rows[:, full].all(), (b, t)
+                if fwd:
+                    assert end > first
+                    if not rows.any():
+                        assert (first, end) == (0, 1)
