@@ -196,8 +196,8 @@ class BlockRange:
     (``at_least_one``: a tile with none still visits block 0, fully masked, which
     writes its rows' out 0 and lse -inf through the ordinary path).
     full_first, full_end: blocks in [full_first, full_end) are visible in every
-    element of every row, so they need no element mask.
-    inexact: some row needs the segment-id compare (then every block is masked).
+    element of every row, so they need no element mask. A tile with a row whose
+    segment is not contiguous has none (full_end = 0): its every block compares ids.
 
     flash-attn-4's ``BlockInfo`` finds the same first and last blocks from the
     causal / window diagonal; here they come from the intervals, so one rule serves
@@ -211,7 +211,6 @@ class BlockRange:
         lo_max = Int32(0)
         hi_max = Int32(0)
         hi_min = Int32(_EMPTY_LO)
-        inexact = Int32(0)
         for k in range((tile + 31) // 32):  # traced inline: a static Python loop
             row = tile_idx * tile + k * 32 + lane
             ok = row < num_rows
@@ -224,13 +223,13 @@ class BlockRange:
             lo_min = cutlass.min(lo_min, cutlass.select_(ok, lo, Int32(_EMPTY_LO)))
             lo_max = cutlass.max(lo_max, cutlass.select_(ok, lo, Int32(0)))
             hi_max = cutlass.max(hi_max, cutlass.select_(ok, hi, Int32(0)))
-            hi_min = cutlass.min(hi_min, cutlass.select_(ok, hi, Int32(_EMPTY_LO)))
-            inexact = inexact | cutlass.select_(ok & (hi_raw < 0), Int32(1), Int32(0))
+            # An inexact row leaves no block free of the mask.
+            hi_min = cutlass.min(hi_min, cutlass.select_(ok, cutlass.select_(
+                hi_raw < 0, Int32(0), hi), Int32(_EMPTY_LO)))
         lo_min = cute.arch.warp_reduction(lo_min, cutlass.min)
         lo_max = cute.arch.warp_reduction(lo_max, cutlass.max)
         hi_max = cute.arch.warp_reduction(hi_max, cutlass.max)
         hi_min = cute.arch.warp_reduction(hi_min, cutlass.min)
-        inexact = cute.arch.warp_reduction(inexact, cutlass.max)
         first = lo_min // block
         end = (hi_max + block - 1) // block
         if at_least_one:
@@ -239,24 +238,27 @@ class BlockRange:
             end = cutlass.select_(none, Int32(1), end)
         else:
             end = cutlass.max(end, first)
-        self.first = first
-        self.end = end
-        self.full_first = (lo_max + block - 1) // block
-        self.full_end = hi_min // block
-        self.inexact = inexact != 0
+        # Uniform over the warp (a reduction's result): said so, ptxas may keep them
+        # in uniform registers, which the MMA warps' walk has to spare.
+        uniform = cute.arch.make_warp_uniform
+        self.first = uniform(first)
+        self.end = uniform(end)
+        self.full_first = uniform((lo_max + block - 1) // block)
+        self.full_end = uniform(hi_min // block)
 
     @staticmethod
-    def masked_block(n: Int32, full_first: Int32, full_end: Int32, inexact):
+    def masked_block(n: Int32, full_first: Int32, full_end: Int32):
         """Whether block n needs the element mask (from the fields of a BlockRange,
         read before a loop: a run-time loop carries no Python objects)."""
-        return (n < full_first) | (n >= full_end) | inexact
+        return (n < full_first) | (n >= full_end)
 
 
 class RangeMask:
     """Masks a (tile_m, tile_n) sm90 score tile of one thread to its rows' key
     intervals (rules/ranges.py), and, for rows whose segment is not contiguous, to
-    equal segment ids. Rows are queries and columns keys (the forward's S); the
-    thread's rows' intervals are read once per tile.
+    equal segment ids. Rows are queries and columns keys (the forward's S). A row's
+    interval is read (from L1) when a block needs the mask, not held across the
+    loop: the consumers have no registers to spare.
 
     mRanges: (B, Sq, 2) int32; mQSeg, mKSeg: (B, Sq) / (B, Sk) int32 segment ids, or
     None where the kernel takes none.
@@ -270,27 +272,11 @@ class RangeMask:
         c_tile = cute.make_identity_tensor((tile_m, tile_n))
         self.t_coord = acc_mn_view(thr_mma.partition_C(c_tile))
         t0_coord = acc_mn_view(thr_mma_t0.partition_C(c_tile))
-        n_rows = cute.size(self.t_coord, mode=[0])
         n_cols = cute.size(self.t_coord, mode=[1])
         self.cols0 = [t0_coord[0, c][1] for c in range(n_cols)]
-        self.col_offset = self.t_coord[0][1]
-        self.lo = cute.make_rmem_tensor(n_rows, Int32)
-        self.hi = cute.make_rmem_tensor(n_rows, Int32)
-        self.mQSeg, self.mKSeg = mQSeg, mKSeg
-        self.batch, self.seqlen_k = batch, seqlen_k
-        self.seg = None
-        if mQSeg is not None:
-            # Per row: its segment id, and whether it needs the compare.
-            self.seg = cute.make_rmem_tensor(n_rows, Int32)
-            self.cmp = cute.make_rmem_tensor(n_rows, Int32)
-        for r in range(n_rows):  # traced inline: a static Python loop
-            row = cutlass.min(m_block * tile_m + self.t_coord[r, 0][0], seqlen_q - 1)
-            hi, exact = decode_hi(mRanges[batch, row, 1])
-            self.lo[r] = mRanges[batch, row, 0]
-            self.hi[r] = hi
-            if mQSeg is not None:
-                self.seg[r] = mQSeg[batch, row]
-                self.cmp[r] = cutlass.select_(exact, Int32(0), Int32(1))
+        self.mRanges, self.mQSeg, self.mKSeg = mRanges, mQSeg, mKSeg
+        self.m_block, self.batch = m_block, batch
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
 
     @cute.jit
     def apply(self, acc_S: cute.Tensor, m_block: Int32, n_block: Int32,
@@ -312,21 +298,35 @@ class RangeMask:
         n_rows = cute.size(s_mn, mode=[0])
         n_cols = cute.size(s_mn, mode=[1])
         neg_inf = -Float32.inf
-        col0 = n_block * self.tile_n + self.col_offset
+        col0 = n_block * self.tile_n + self.t_coord[0][1]
+        any_cmp = Int32(0)
         for r in cutlass.range_constexpr(n_rows):
-            lo = self.lo[r] - col0
-            hi = self.hi[r] - col0
+            row = cutlass.min(self.m_block * self.tile_m + self.t_coord[r, 0][0],
+                              self.seqlen_q - 1)
+            hi_raw = self.mRanges[self.batch, row, 1]
+            hi, _ = decode_hi(hi_raw)
+            lo = self.mRanges[self.batch, row, 0] - col0
+            hi = hi - col0
+            any_cmp = any_cmp | cutlass.select_(hi_raw < 0, Int32(1), Int32(0))
             for c in cutlass.range_constexpr(n_cols):
                 x = cutlass.select_(self.cols0[c] < hi, s_mn[r, c], neg_inf)
                 s_mn[r, c] = Float32(cutlass.select_(self.cols0[c] >= lo, x, neg_inf))
-        if cutlass.const_expr(self.seg is not None):
-            any_cmp = self.cmp[0]
-            for r in cutlass.range_constexpr(1, n_rows):
-                any_cmp = any_cmp | self.cmp[r]
+        if cutlass.const_expr(self.mQSeg is not None):
             if any_cmp != 0:
+                self._compare_segments(s_mn, col0)
+
+    @cute.jit
+    def _compare_segments(self, s_mn, col0):
+        """-inf where the key's segment differs from the row's, in rows whose segment
+        is not contiguous (the others' intervals hold only their own keys)."""
+        n_rows = cute.size(s_mn, mode=[0])
+        n_cols = cute.size(s_mn, mode=[1])
+        for r in cutlass.range_constexpr(n_rows):
+            row = cutlass.min(self.m_block * self.tile_m + self.t_coord[r, 0][0],
+                              self.seqlen_q - 1)
+            if self.mRanges[self.batch, row, 1] < 0:
+                qseg = self.mQSeg[self.batch, row]
                 for c in cutlass.range_constexpr(n_cols):
                     col = cutlass.min(col0 + self.cols0[c], self.seqlen_k - 1)
-                    kseg = self.mKSeg[self.batch, col]
-                    for r in cutlass.range_constexpr(n_rows):
-                        keep = (self.cmp[r] == 0) | (self.seg[r] == kseg)
-                        s_mn[r, c] = Float32(cutlass.select_(keep, s_mn[r, c], neg_inf))
+                    keep = self.mKSeg[self.batch, col] == qseg
+                    s_mn[r, c] = Float32(cutlass.select_(keep, s_mn[r, c], -Float32.inf))

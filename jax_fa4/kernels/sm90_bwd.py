@@ -557,6 +557,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             stage = state.index
             buf = it % 2
 
+            # Segment ids: keep bits before the GEMMs' accumulators are live.
+            bits = self.segment_bits(kmask, tScS, m_block)
             pipe_qdo.consumer_wait(state)
             lse = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
             dpsum = cute.make_rmem_tensor(cute.make_layout(n_cols), Float32)
@@ -574,7 +576,8 @@ class FlashBwdSm90(Sm90BwdCommon):
             warpgroup.wait_group(1)  # S^T done
 
             S = acc_mn_view(acc_S)
-            self.mask_scores(S, tScS, 0, m_block, n_block, key_limit, kmask, cta.full)
+            self.mask_scores(S, tScS, 0, m_block, n_block, key_limit, kmask, cta.full,
+                             bits)
             # P^T = exp2(S^T * scale * log2 e - LSElog2[query]).
             for c in cutlass.range_constexpr(n_cols):
                 _column_stat(stats, lse, c, sLSE, stage, tScS, lse_part, quad_lane)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from jax_fa4.kernels.bwd_preprocess import SEQLEN_Q_PAD
@@ -61,7 +61,7 @@ class Cta:
     coords: tuple  # (key block, kv head, batch entry)
     work: tuple  # ``work_list``: (GQA group, first query block, query blocks, items)
     masks: tuple  # masked: (query intervals, query and key segment ids or None)
-    # masked: (first full query block, end of the full ones, inexact) of the block
+    # masked: (first full query block, end of the full ones) of the key block
     # (``BlockRange``), else None.
     full: tuple | None
     seqlen_k: object
@@ -290,7 +290,7 @@ class Sm90BwdCommon(BwdMainCall):
         """((group, m_block_min, num_m, num_iters), full): every (query head of the
         group, query block) pair that can see at least one key of this block, as
         ``num_iters = num_m * group`` items, and with ``masked`` (first full query
-        block, end of the full ones, inexact) from the keys' intervals
+        block, end of the full ones) from the keys' intervals
         (``BlockRange``), else None. All roles walk the same list, so they agree on
         every barrier count. mQ, mK: (S, D, H, B) views."""
         n_block, _, batch = coords
@@ -302,7 +302,7 @@ class Sm90BwdCommon(BwdMainCall):
             blocks = BlockRange(mRanges, self.tile_n, self.tile_m, n_block, batch, mK.shape[0],
                                 at_least_one=False)
             m_block_min, m_block_max = blocks.first, blocks.end
-            full = (blocks.full_first, blocks.full_end, blocks.inexact)
+            full = (blocks.full_first, blocks.full_end)
         elif const_expr(self.causal):
             # First query block holding a query >= this block's first key.
             m_block_min = cutlass.min(n_block * self.tile_n // self.tile_m, m_block_max)
@@ -373,21 +373,29 @@ class Sm90BwdCommon(BwdMainCall):
         n_block, _, batch = cta.coords
         return KeyRangeMask(tScS, keys, self.tile_n, *cta.masks, n_block, batch, cta.seqlen_k)
 
+    def segment_bits(self, kmask, tScS, m_block):
+        """Segment ids: ``KeyRangeMask.segment_bits`` of query block m_block; else None.
+        (A method of the kernel: the walk's loop may not call one of the mask's.)"""
+        if const_expr(kmask is None):
+            return None
+        return kmask.segment_bits(tScS, m_block * self.tile_m)
+
     @cute.jit
     def mask_scores(self, S, tScS, keys: cutlass.Constexpr[int], m_block, n_block, key_limit,
-                    kmask=None, full=None):
+                    kmask=None, full=None, bits=None):
         """S = -inf (P = 0) where the key is past seqlen_k (``key_limit`` keys of the
         block are valid) or, causal, after the query. S, tScS: (rows, cols) views of
         a thread's scores and their (row, col) coordinates in the block; ``keys``:
         the mode of the keys (0 for S^T, 1 for S). Only blocks holding such a key pay
         for the test: valid is key < min(key_limit, query - key0 + 1) in block
         coordinates, and the block's first query has the smallest causal limit.
-        masked: ``kmask`` (``KeyRangeMask``) masks the blocks outside ``cta.full``.
+        masked: ``kmask`` (``KeyRangeMask``) masks the blocks outside ``cta.full``
+        (with segment ids also by ``bits``, its ``segment_bits`` of the item).
         """
         if const_expr(kmask is not None):
-            full_first, full_end, inexact = full
+            full_first, full_end = full
             kmask.apply(S, tScS, m_block * self.tile_m,
-                        BlockRange.masked_block(m_block, full_first, full_end, inexact))
+                        BlockRange.masked_block(m_block, full_first, full_end), bits)
         else:
             self._mask_seqlen_causal(S, tScS, keys, m_block, n_block, key_limit)
 
@@ -411,66 +419,92 @@ class Sm90BwdCommon(BwdMainCall):
 
 class KeyRangeMask:
     """The intervals of the queries that see this thread's keys (rules/ranges.py),
-    read once per CTA, applied to a (rows, cols) view of a thread's scores; ``keys``
-    is the mode that holds the keys (0 for S^T, 1 for S). With segment ids, keys
-    whose document is not contiguous also compare the ids of each query."""
+    applied to a (rows, cols) view of a thread's scores; ``keys`` is the mode that
+    holds the keys (0 for S^T, 1 for S). The intervals are read (from L1) when a
+    block needs the mask: the MMA warpgroups have no registers to hold them across
+    the walk.
+
+    With segment ids, keys whose document is not contiguous also compare the ids of
+    each query: ``segment_bits`` does that before the item's GEMMs are issued (their
+    accumulators are not live yet), into one keep bit per score, which ``apply``
+    then reads; comparing after S arrived spilled the MMA warpgroups' registers."""
 
     def __init__(self, tScS, keys: int, tile_n: int, mRanges, mQSeg, mKSeg, n_block, batch,
                  seqlen_k):
-        self.keys = keys
-        n_keys = cute.size(tScS, mode=[keys])
-        self.lo = cute.make_rmem_tensor(n_keys, Int32)
-        self.hi = cute.make_rmem_tensor(n_keys, Int32)
-        self.mQSeg = mQSeg
-        self.batch = batch
-        self.seg = None
-        if mQSeg is not None:
-            self.seg = cute.make_rmem_tensor(n_keys, Int32)
-            self.cmp = cute.make_rmem_tensor(n_keys, Int32)
-        for k in range(n_keys):  # traced inline: a static Python loop
-            key = cutlass.min(n_block * tile_n + tScS[_at(keys, k, 0)][keys], seqlen_k - 1)
-            hi, exact = decode_hi(mRanges[batch, key, 1])
-            self.lo[k] = mRanges[batch, key, 0]
-            self.hi[k] = hi
-            if mQSeg is not None:
-                self.seg[k] = mKSeg[batch, key]
-                self.cmp[k] = cutlass.select_(exact, Int32(0), Int32(1))
+        self.keys, self.tile_n = keys, tile_n
+        self.mRanges, self.mQSeg, self.mKSeg = mRanges, mQSeg, mKSeg
+        self.n_block, self.batch, self.seqlen_k = n_block, batch, seqlen_k
+        self.n_k = cute.size(tScS, mode=[keys])
+        self.n_q = cute.size(tScS, mode=[1 - keys])
+        self.n_words = (self.n_k * self.n_q + 31) // 32
+
+    def _key(self, tScS, k: int):
+        keys = self.keys
+        return cutlass.min(self.n_block * self.tile_n + tScS[_at(keys, k, 0)][keys],
+                           self.seqlen_k - 1)
 
     @cute.jit
-    def apply(self, S, tScS, query0, when):
-        """S = -inf where the query (``query0`` + its block coordinate) is outside its
-        key's interval, or, where compared, its segment differs; only where the
-        run-time Boolean ``when`` holds."""
-        if when:
-            self._select(S, tScS, query0)
-
-    @cute.jit
-    def _select(self, S, tScS, query0):
+    def segment_bits(self, tScS, query0) -> cute.Tensor | None:
+        """Keep bits of this thread's scores for the item of queries from ``query0``
+        (bit k * n_q + q: key k, query q): clear where the key's document is not
+        contiguous and the ids differ. None without segment ids."""
+        if cutlass.const_expr(self.mQSeg is None):
+            return None
         keys = self.keys
         queries = 1 - keys
-        n_q = cute.size(tScS, mode=[queries])
-        n_k = cute.size(tScS, mode=[keys])
+        words = cute.make_rmem_tensor(self.n_words, Int32)
+        words.fill(-1)
+        any_cmp = Int32(0)
+        for k in cutlass.range_constexpr(self.n_k):
+            raw = self.mRanges[self.batch, self._key(tScS, k), 1]
+            any_cmp = any_cmp | cutlass.select_(raw < 0, Int32(1), Int32(0))
+        if any_cmp != 0:
+            num_q = self.mQSeg.shape[1]
+            for w in cutlass.range_constexpr(self.n_words):
+                words[w] = Int32(0)
+            for k in cutlass.range_constexpr(self.n_k):
+                key = self._key(tScS, k)
+                exact = self.mRanges[self.batch, key, 1] >= 0
+                kseg = self.mKSeg[self.batch, key]
+                for q in cutlass.range_constexpr(self.n_q):
+                    query = cutlass.min(query0 + tScS[_at(keys, k, q)][queries], num_q - 1)
+                    keep = exact | (self.mQSeg[self.batch, query] == kseg)
+                    e = k * self.n_q + q
+                    words[e // 32] = words[e // 32] | cutlass.select_(
+                        keep, Int32(1 << (e % 32)) if e % 32 < 31 else Int32(-(1 << 31)),
+                        Int32(0))
+        return words
+
+    @cute.jit
+    def apply(self, S, tScS, query0, when, bits=None):
+        """S = -inf where the query (``query0`` + its block coordinate) is outside its
+        key's interval, or where ``bits`` (``segment_bits``) clear it; only where
+        the run-time Boolean ``when`` holds."""
+        if when:
+            self._select(S, tScS, query0, bits)
+
+    @cute.jit
+    def _select(self, S, tScS, query0, bits):
+        keys = self.keys
+        queries = 1 - keys
         neg_inf = -Float32.inf
-        for k in cutlass.range_constexpr(n_k):
-            lo = self.lo[k] - query0
-            hi = self.hi[k] - query0
-            for q in cutlass.range_constexpr(n_q):
+        for k in cutlass.range_constexpr(self.n_k):
+            key = self._key(tScS, k)
+            hi, _ = decode_hi(self.mRanges[self.batch, key, 1])
+            lo = self.mRanges[self.batch, key, 0] - query0
+            # lo <= query < hi as one unsigned compare: query - lo < hi - lo.
+            width = Uint32(cutlass.max(hi - query0 - lo, 0))
+            for q in cutlass.range_constexpr(self.n_q):
                 at = _at(keys, k, q)
-                x = cutlass.select_(tScS[at][queries] < hi, S[at], neg_inf)
-                S[at] = Float32(cutlass.select_(tScS[at][queries] >= lo, x, neg_inf))
-        if cutlass.const_expr(self.seg is not None):
-            any_cmp = self.cmp[0]
-            for k in cutlass.range_constexpr(1, n_k):
-                any_cmp = any_cmp | self.cmp[k]
-            if any_cmp != 0:
-                num_q = self.mQSeg.shape[1]
-                for q in cutlass.range_constexpr(n_q):
-                    query = cutlass.min(query0 + tScS[_at(keys, 0, q)][queries], num_q - 1)
-                    qseg = self.mQSeg[self.batch, query]
-                    for k in cutlass.range_constexpr(n_k):
-                        at = _at(keys, k, q)
-                        keep = (self.cmp[k] == 0) | (self.seg[k] == qseg)
-                        S[at] = Float32(cutlass.select_(keep, S[at], neg_inf))
+                inside = Uint32(tScS[at][queries] - lo) < width
+                S[at] = Float32(cutlass.select_(inside, S[at], neg_inf))
+        if cutlass.const_expr(bits is not None):
+            for k in cutlass.range_constexpr(self.n_k):
+                for q in cutlass.range_constexpr(self.n_q):
+                    at = _at(keys, k, q)
+                    e = k * self.n_q + q
+                    keep = (Uint32(bits[e // 32]) >> (e % 32)) & Uint32(1)
+                    S[at] = Float32(cutlass.select_(keep != Uint32(0), S[at], neg_inf))
 
 
 def _at(keys: int, k: int, q: int) -> tuple[int, int]:

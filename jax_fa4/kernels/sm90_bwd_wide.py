@@ -305,6 +305,8 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             stage = state.index
             buf = it % 2
 
+            # Segment ids: keep bits before the GEMMs' accumulators are live.
+            bits = self.segment_bits(kmask, tScS, m_block)
             pipe_qdo.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
             wgmma_gemm(mma_sdp, acc_S, tSrQ[None, None, None, stage], tSrK, zero_init=True)
@@ -320,7 +322,8 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             warpgroup.wait_group(1)  # S done
 
             S = acc_mn_view(acc_S)
-            self.mask_scores(S, tScS, 1, m_block, n_block, key_limit, kmask, cta.full)
+            self.mask_scores(S, tScS, 1, m_block, n_block, key_limit, kmask, cta.full,
+                             bits)
             # P = exp2(S * scale * log2 e - LSElog2[query]); exp2(-inf) = 0.
             for r in cutlass.range_constexpr(n_rows):
                 for c in cutlass.range_constexpr(n_cols):

@@ -1065,12 +1065,11 @@ class FlashFwdSm90(FwdCall):
             # Blocks n_last - 1 down to the first; those with a masked element
             # (``BlockRange.needs_mask``) mask by a run-time test.
             n_first, full_first, full_end = blocks.first, blocks.full_first, blocks.full_end
-            inexact = blocks.inexact
             for i in cutlass.range(n_last - n_first, unroll=1):
                 n = n_last - 1 - i
                 state = self._overlapped_step(
                     state, n, *step_args, mask_causal=True,
-                    mask_if=BlockRange.masked_block(n, full_first, full_end, inexact))
+                    mask_if=BlockRange.masked_block(n, full_first, full_end))
         elif cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
             # Blocks n_last - 1 down to 0; those >= n_causal touch the diagonal.
             for i in cutlass.range(n_last, unroll=1):
