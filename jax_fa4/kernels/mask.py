@@ -67,6 +67,28 @@ def _shr_b32(x: Uint32, n: Int32, *, loc=None, ip=None) -> Uint32:
     )
 
 
+@dsl_user_op
+def keep_inside(x: Float32, pos: Int32, lo: Int32, width: Int32, *, loc=None,
+                ip=None) -> Float32:
+    """x where lo <= pos < lo + width, else -inf: one unsigned compare of pos - lo
+    with width (0 <= width). In PTX: LLVM folds the DSL's unsigned compare of a
+    converted Int32 back into a signed one, which is wrong here, and two signed
+    compares cost the backward's MMA warpgroups registers they do not have."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip), Int32(pos).ir_value(loc=loc, ip=ip),
+             Int32(lo).ir_value(loc=loc, ip=ip), Int32(width).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred p; .reg .b32 t; sub.s32 t, $2, $3; setp.lt.u32 p, t, $4; "
+            "selp.f32 $0, $1, 0fFF800000, p; }",
+            "=f,f,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 class TileMask:
     """Masks a (tile_m, tile_n) score tile of one thread.
 
@@ -297,7 +319,6 @@ class RangeMask:
     def _select(self, s_mn, n_block):
         n_rows = cute.size(s_mn, mode=[0])
         n_cols = cute.size(s_mn, mode=[1])
-        neg_inf = -Float32.inf
         col0 = n_block * self.tile_n + self.t_coord[0][1]
         any_cmp = Int32(0)
         for r in cutlass.range_constexpr(n_rows):
@@ -305,12 +326,12 @@ class RangeMask:
                               self.seqlen_q - 1)
             hi_raw = self.mRanges[self.batch, row, 1]
             hi, _ = decode_hi(hi_raw)
-            lo = self.mRanges[self.batch, row, 0] - col0
-            hi = hi - col0
+            lo = self.mRanges[self.batch, row, 0]
+            width = cutlass.max(hi - lo, 0)
+            lo = lo - col0
             any_cmp = any_cmp | cutlass.select_(hi_raw < 0, Int32(1), Int32(0))
             for c in cutlass.range_constexpr(n_cols):
-                x = cutlass.select_(self.cols0[c] < hi, s_mn[r, c], neg_inf)
-                s_mn[r, c] = Float32(cutlass.select_(self.cols0[c] >= lo, x, neg_inf))
+                s_mn[r, c] = keep_inside(s_mn[r, c], Int32(self.cols0[c]), lo, width)
         if cutlass.const_expr(self.mQSeg is not None):
             if any_cmp != 0:
                 self._compare_segments(s_mn, col0)

@@ -30,7 +30,7 @@ from jax_fa4.kernels.cute_utils import (
     stat_rows_view,
     tma_tile_partition,
 )
-from jax_fa4.kernels.mask import BlockRange, decode_hi
+from jax_fa4.kernels.mask import BlockRange, decode_hi, keep_inside
 
 log = logging.getLogger(__name__)
 
@@ -491,13 +491,12 @@ class KeyRangeMask:
         for k in cutlass.range_constexpr(self.n_k):
             key = self._key(tScS, k)
             hi, _ = decode_hi(self.mRanges[self.batch, key, 1])
-            lo = self.mRanges[self.batch, key, 0] - query0
-            # lo <= query < hi as one unsigned compare: query - lo < hi - lo.
-            width = Uint32(cutlass.max(hi - query0 - lo, 0))
+            lo = self.mRanges[self.batch, key, 0]
+            width = cutlass.max(hi - lo, 0)
+            lo = lo - query0
             for q in cutlass.range_constexpr(self.n_q):
                 at = _at(keys, k, q)
-                inside = Uint32(tScS[at][queries] - lo) < width
-                S[at] = Float32(cutlass.select_(inside, S[at], neg_inf))
+                S[at] = keep_inside(S[at], tScS[at][queries], lo, width)
         if cutlass.const_expr(bits is not None):
             for k in cutlass.range_constexpr(self.n_k):
                 for q in cutlass.range_constexpr(self.n_q):

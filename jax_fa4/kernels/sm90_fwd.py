@@ -1062,14 +1062,30 @@ class FlashFwdSm90(FwdCall):
         softmax.online_softmax(acc_S, is_first=True)
         to_p(acc_S)
         if cutlass.const_expr(self.masked):
-            # Blocks n_last - 1 down to the first; those with a masked element
-            # (``BlockRange.needs_mask``) mask by a run-time test.
             n_first, full_first, full_end = blocks.first, blocks.full_first, blocks.full_end
-            for i in cutlass.range(n_last - n_first, unroll=1):
-                n = n_last - 1 - i
-                state = self._overlapped_step(
-                    state, n, *step_args, mask_causal=True,
-                    mask_if=BlockRange.masked_block(n, full_first, full_end))
+            if cutlass.const_expr(self.tiles.merge_diagonal_loop):
+                # Blocks n_last - 1 down to the first; those with a masked element
+                # (``BlockRange.masked_block``) mask by a run-time test.
+                for i in cutlass.range(n_last - n_first, unroll=1):
+                    n = n_last - 1 - i
+                    state = self._overlapped_step(
+                        state, n, *step_args, mask_causal=True,
+                        mask_if=BlockRange.masked_block(n, full_first, full_end))
+            else:
+                # As causal: blocks [hi_edge, n_last) masked (the diagonal, the key
+                # lengths), [lo_edge, hi_edge) not, [n_first, lo_edge) masked (a
+                # window's left edge, earlier documents), walked from the last.
+                hi_edge = cutlass.max(cutlass.min(full_end, n_last), n_first)
+                lo_edge = cutlass.max(cutlass.min(full_first, hi_edge), n_first)
+                for i in cutlass.range(n_last - hi_edge, unroll=1):
+                    state = self._overlapped_step(state, n_last - 1 - i, *step_args,
+                                                  mask_causal=True)
+                for i in cutlass.range(hi_edge - lo_edge, unroll=1):
+                    state = self._overlapped_step(state, hi_edge - 1 - i, *step_args,
+                                                  mask_causal=False)
+                for i in cutlass.range(lo_edge - n_first, unroll=1):
+                    state = self._overlapped_step(state, lo_edge - 1 - i, *step_args,
+                                                  mask_causal=True)
         elif cutlass.const_expr(self.causal and self.tiles.merge_diagonal_loop):
             # Blocks n_last - 1 down to 0; those >= n_causal touch the diagonal.
             for i in cutlass.range(n_last, unroll=1):

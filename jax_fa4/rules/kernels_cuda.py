@@ -107,10 +107,16 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
     plan = bwd_plan(arch, dtype_name(q.dtype), q.shape[-1], v.shape[-1], bool(config.causal),
                     float(config.scale), bool(config.deterministic), bool(dlse), config.masked,
                     config.segments)
+    mask_ops = mask_static = ()
     if config.masked:
         # A query that sees no key has lse -inf; as +inf its P = exp2(s - lse) is 0
         # for every score, -inf (masked) ones included, where -inf would give NaN.
         lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+        mask_ops, mask_static = _mask_operands(config, masks, q, k, keys=True)
+        # The intervals before the preprocess: scheduled between it and the main
+        # kernel, their XLA kernels would break the programmatic-dependent-launch
+        # chain of the three.
+        lse, mask_ops = jax.lax.optimization_barrier((lse, mask_ops))
     ws = plan.workspaces(b, sq, hq)
     dpsum, lse_log2, dq_accum = kernel_call(
         plan.pre, plan.build_pre, (out, dout, lse, *dlse), ws,
@@ -127,9 +133,7 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
         inputs, in_static = inputs + (jnp.zeros(sem.shape, sem.dtype),), in_static + (_BHS,)
         outs, out_static = outs + (sem,), out_static + (_BHS,)
         aliases[7] = 3
-    if config.masked:
-        ops, static = _mask_operands(config, masks, q, k, keys=True)
-        inputs, in_static = inputs + ops, in_static + static
+    inputs, in_static = inputs + mask_ops, in_static + mask_static
     dq_accum, dk, dv = kernel_call(plan.main, plan.build_main, inputs, outs,
                                    in_static=in_static, out_static=out_static,
                                    aliases=aliases)[:3]
