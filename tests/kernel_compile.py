@@ -199,36 +199,47 @@ def exp2s_between_waits(sass: str) -> list[int]:
     return out
 
 
-def lower_masked_sm90(direction: str, dtype, head_dim: int, segments: bool = False,
-                      shape=(2, 113, 203, 4, 1), compile_options: str | None = None) -> str:
-    """Lower an sm90 masked kernel (``direction`` "fwd" or "bwd"), which takes the key
-    (query) intervals after its other operands, and with ``segments`` the ids, as
-    the FFI layer calls it (rules/kernels_cuda.py)."""
+def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool = False,
+                 shape=(2, 113, 203, 4, 1), compile_options: str | None = None) -> str:
+    """Lower a masked kernel of ``arch`` (``direction`` "fwd" or "bwd"), which takes
+    the key (query) intervals after its other operands, and with ``segments`` the
+    ids, as the FFI layer calls it (rules/kernels_cuda.py)."""
     import cutlass
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
     from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
     from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+    from jax_fa4.kernels.sm100_fwd import FlashFwdSm100
 
     b, sq, sk, hq, hkv = shape
     sds = jax.ShapeDtypeStruct
+    cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
+    kw = dict(masked=True, segments=segments)
+    aliases = {}
     if direction == "fwd":
         ins, outs = fwd_structs(*shape, head_dim, dtype)
-        kernel = make_fwd_sm90(dtype, head_dim, head_dim, False, masked=True, segments=segments)
-        aliases = {}
-        if kernel.takes_tile_counter:
+        if arch == "sm_90a":
+            def make():
+                return make_fwd_sm90(dtype, head_dim, head_dim, False, **kw)
+        else:
+            def make():
+                return FlashFwdSm100(dtype, head_dim, head_dim, False, **kw)
+        if make().takes_tile_counter:
             cnt = sds((1,), jnp.int32)
             ins, outs, aliases = ins + (cnt,), outs + (cnt,), {3: 2}
         ins = ins + (sds((b, sq, 2), jnp.int32),)
-        make = lambda: make_fwd_sm90(dtype, head_dim, head_dim, False,  # noqa: E731
-                                     masked=True, segments=segments)
     else:
         ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
         ins = ins + (sds((b, sk, 2), jnp.int32),)
-        cls = FlashBwdSm90Wide if head_dim == 256 else FlashBwdSm90
-        cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
-        make = lambda: cls(cute_dtype, head_dim, head_dim, False, head_dim**-0.5,  # noqa: E731
-                           use_pdl=True, masked=True, segments=segments)
+        if arch == "sm_90a":
+            cls = FlashBwdSm90Wide if head_dim == 256 else FlashBwdSm90
+            kw["use_pdl"] = True
+        else:
+            cls = FlashBwdSm100
+
+        def make():
+            return cls(cute_dtype, head_dim, head_dim, False, head_dim**-0.5, **kw)
     if segments:
         ins = ins + (sds((b, sq), jnp.int32), sds((b, sk), jnp.int32))
-    return lower(make, "sm_90a", ins, outs, aliases, compile_options)
+    return lower(make, arch, ins, outs, aliases, compile_options)

@@ -68,19 +68,21 @@ def _shr_b32(x: Uint32, n: Int32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def keep_inside(x: Float32, pos: Int32, lo: Int32, width: Int32, *, loc=None,
-                ip=None) -> Float32:
-    """x where lo <= pos < lo + width, else -inf: one unsigned compare of pos - lo
-    with width (0 <= width). In PTX: LLVM folds the DSL's unsigned compare of a
-    converted Int32 back into a signed one, which is wrong here, and two signed
-    compares cost the backward's MMA warpgroups registers they do not have."""
+def keep_inside(x: Float32, pos: Int32, lo: Int32, width: Int32, zero: bool = False, *,
+                loc=None, ip=None) -> Float32:
+    """x where lo <= pos < lo + width, else -inf (0 with ``zero``: for P): one
+    unsigned compare of pos - lo with width (0 <= width). In PTX: LLVM folds the
+    DSL's unsigned compare of a converted Int32 back into a signed one, which is
+    wrong here, and two signed compares cost the backward's MMA warpgroups
+    registers they do not have."""
+    fill = "0f00000000" if zero else "0fFF800000"
     return Float32(
         llvm.inline_asm(
             T.f32(),
             [Float32(x).ir_value(loc=loc, ip=ip), Int32(pos).ir_value(loc=loc, ip=ip),
              Int32(lo).ir_value(loc=loc, ip=ip), Int32(width).ir_value(loc=loc, ip=ip)],
             "{ .reg .pred p; .reg .b32 t; sub.s32 t, $2, $3; setp.lt.u32 p, t, $4; "
-            "selp.f32 $0, $1, 0fFF800000, p; }",
+            f"selp.f32 $0, $1, {fill}, p; }}",
             "=f,f,r,r,r",
             has_side_effects=False,
             is_align_stack=False,

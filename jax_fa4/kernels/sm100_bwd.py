@@ -79,6 +79,7 @@ from jax_fa4.kernels.cute_utils import (
     tma_tile_partition,
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
+from jax_fa4.kernels.mask import BlockRange, keep_inside
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,9 @@ class FlashBwdSm100(BwdMainCall):
       tiles: override of the tile table row (tests only).
       deterministic: add each query block's dQ partials in a fixed key-block order
         (``FlashBwdSm100Deterministic``, which takes the semaphores).
+      masked: the call takes each key's interval of seeing queries (rules/ranges.py),
+        which carries every mask (causal must then be False); segments: and the
+        segment ids, compared where a document is not contiguous.
     """
 
     def __init__(
@@ -188,10 +192,17 @@ class FlashBwdSm100(BwdMainCall):
         softmax_scale: float | None = None,
         tiles: BwdTiles | None = None,
         deterministic: bool = False,
+        masked: bool = False,
+        segments: bool = False,
     ):
         self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
+        if masked and (causal or deterministic) or segments and not masked:
+            raise ValueError("masked kernels carry causal in their intervals, have no "
+                             "deterministic form, and segments need masked")
+        self.masked = masked
+        self.segments = segments
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
@@ -243,9 +254,11 @@ class FlashBwdSm100(BwdMainCall):
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mdQsem: cute.Tensor | None = None):
+               mdQsem: cute.Tensor | None = None, *masks: cute.Tensor):
         """The host side of ``BwdMainCall.__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m))
-        int32, zero at launch, with the deterministic backward, else None."""
+        int32, zero at launch, with the deterministic backward, else None; masks:
+        with ``masked``, the keys' query intervals (and the segment ids)."""
+        masks = tuple(masks) + (None,) * (3 - len(masks))
         if const_expr(self.deterministic and mdQsem is None):
             raise TypeError("the deterministic backward takes the dQ semaphores: call "
                             "FlashBwdSm100Deterministic")
@@ -335,7 +348,7 @@ class FlashBwdSm100(BwdMainCall):
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mdQsem, mLSElog2, mDpsum, mdK, mdV,
-            tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
+            masks[0], masks[1], masks[2], tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
             sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sK_layout, sKt_layout,
             sV_layout, sPt_layout, sdSt_layout, sdS_layout, sdQ_layout,
             mma_s, mma_dp, mma_dv, mma_dk, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
@@ -361,6 +374,9 @@ class FlashBwdSm100(BwdMainCall):
         mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
         mdK: cute.Tensor,  # (Sk, D, Hkv, B)
         mdV: cute.Tensor,  # (Sk, Dv, Hkv, B)
+        mRanges: cute.Tensor | None,  # (B, Sk, 2) int32 query intervals (masked only)
+        mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
+        mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -464,7 +480,13 @@ class FlashBwdSm100(BwdMainCall):
         group_size = mQ.shape[2] // mK.shape[2]
         m_block_max = cute.ceil_div(seqlen_q, tm)
         m_block_min = Int32(0)
-        if const_expr(self.causal):
+        masks = None
+        if const_expr(self.masked):
+            # Every warp reduces the block's keys' intervals itself (BlockRange).
+            blocks = BlockRange(mRanges, tn, tm, n_block, batch, seqlen_k, at_least_one=False)
+            m_block_min, m_block_max = blocks.first, blocks.end
+            masks = (mRanges, mQSeg, mKSeg, blocks.full_first, blocks.full_end, seqlen_q)
+        elif const_expr(self.causal):
             m_block_min = cutlass.min(n_block * tn // tm, m_block_max)
         num_m = m_block_max - m_block_min
         num_iters = num_m * group_size
@@ -498,7 +520,7 @@ class FlashBwdSm100(BwdMainCall):
             self.compute(mma_s, mma_dp, mma_dv, mma_dk, mdK, mdV, sPt, sdSt, sLSE, sDpsum,
                          tmem_ptr, pipe_lse, pipe_s, pipe_dp, pipe_p, pipe_ds, pipe_dkv,
                          tidx - 32 * _COMPUTE_WARP0, n_block, head_kv, batch, seqlen_k,
-                         m_block_min, num_m, num_iters)
+                         m_block_min, num_m, num_iters, masks)
             tmem_bar.arrive()
         else:
             cute.arch.setmaxregister_decrease(self.tiles.regs_reduce)
@@ -678,11 +700,14 @@ class FlashBwdSm100(BwdMainCall):
     @cute.jit
     def compute(self, mma_s, mma_dp, mma_dv, mma_dk, mdK, mdV, sPt, sdSt, sLSE, sDpsum,
                 tmem_ptr, pipe_lse, pipe_s, pipe_dp, pipe_p, pipe_ds, pipe_dkv, tidx,
-                n_block, head_kv, batch, seqlen_k, m_block_min, num_m, num_iters):
+                n_block, head_kv, batch, seqlen_k, m_block_min, num_m, num_iters,
+                masks=None):
         """Warps 4-11: P and dS per work item, then the dK / dV epilogue.
 
         Thread t owns TMEM lane t % 128, i.e. key row n = t % 128 of S^T and dP^T,
-        and warpgroup g = t // 128 owns query columns [64 g, 64 g + 64)."""
+        and warpgroup g = t // 128 owns query columns [64 g, 64 g + 64). masks: with
+        ``masked``, (query intervals, segment ids, the block's full query blocks,
+        seqlen_q)."""
         tm, tn = self.tile_m, self.tile_n
         half = tm // 2
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -708,6 +733,20 @@ class FlashBwdSm100(BwdMainCall):
             ld_atom_dp, cute.local_tile(tdP_h, (tn, dp_cols), (0, 0))).get_slice(tidx % 128)
         row_n = tc[0][0]  # this thread's key, local to the block
         n_glob = n_block * tn + row_n
+        # masked: the key's query interval [q_lo, q_lo + q_width), read once (a key
+        # past the sequence end sees nothing), and its id where its document is not
+        # contiguous (else -1 - 2^31: no compare).
+        q_lo = q_width = kseg = None
+        if const_expr(masks is not None):
+            mRanges, mQSeg, mKSeg, full_first, full_end, seqlen_q = masks
+            at = cutlass.min(n_glob, seqlen_k - 1)
+            hi_raw = mRanges[batch, at, 1]
+            q_lo = mRanges[batch, at, 0]
+            q_width = cutlass.select_(
+                n_glob < seqlen_k,
+                cutlass.max(cutlass.select_(hi_raw < 0, ~hi_raw, hi_raw) - q_lo, 0), Int32(0))
+            if const_expr(mQSeg is not None):
+                kseg = cutlass.select_(hi_raw < 0, mKSeg[batch, at], Int32(-(1 << 31)))
         # Register j of rS / rP is query column tc[j][1] = wg * half + j (32x32b loads
         # return a lane's columns in order), which _store_row and the sLSE / sDpsum
         # indexing below rely on.
@@ -736,6 +775,10 @@ class FlashBwdSm100(BwdMainCall):
             if n_glob >= seqlen_k:
                 col_start = Int32(tm)
             col_start = col_start - wg * half
+            # masked: this key's interval, relative to this warpgroup's first column.
+            lo_j = None
+            if const_expr(masks is not None):
+                lo_j = q_lo - m_block * tm - wg * half
             pipe_lse.consumer_wait(lse_state)
             sNegLSE_s = cute.local_tile(sLSE[None, lse_state.index], (half,), (wg,))
             sDpsum_s = cute.local_tile(sDpsum[None, lse_state.index], (half,), (wg,))
@@ -756,7 +799,18 @@ class FlashBwdSm100(BwdMainCall):
                     (rNegLSE[2 * v], rNegLSE[2 * v + 1]))
                 rS[2 * v] = cute.math.exp2(a, fastmath=True)
                 rS[2 * v + 1] = cute.math.exp2(b, fastmath=True)
-            if col_start > 0:
+            if const_expr(masks is not None):
+                # Query blocks not fully inside every key's interval only.
+                if BlockRange.masked_block(m_block, full_first, full_end):
+                    for j in cutlass.range_constexpr(half):
+                        rS[j] = keep_inside(rS[j], Int32(j), lo_j, q_width, zero=True)
+                    if const_expr(kseg is not None):
+                        if kseg != Int32(-(1 << 31)):
+                            for j in cutlass.range_constexpr(half):
+                                q = cutlass.min(m_block * tm + wg * half + j, seqlen_q - 1)
+                                same = mQSeg[batch, q] == kseg
+                                rS[j] = rS[j] if same else Float32(0.0)
+            elif col_start > 0:
                 # Diagonal or last key block only: a compare and select per element.
                 for v in cutlass.range_constexpr(half // 2):
                     for j in (2 * v, 2 * v + 1):

@@ -73,6 +73,7 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import FwdCall, as_cutlass_dtype, permute, tma_tile_partition
 from jax_fa4.kernels.exp2 import exp2_poly_x2
+from jax_fa4.kernels.mask import BlockRange, keep_inside
 from jax_fa4.kernels.softmax import RESCALE_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,10 @@ class FlashFwdSm100(FwdCall):
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
     tiles: override the tile table (``fwd_tiles``) for experiments.
+    masked: the call takes each query's interval of visible keys, (B, Sq, 2) int32
+        (rules/ranges.py), which carries every mask (causal must then be False).
+    segments: with ``masked``: the call also takes the query and key segment ids,
+        (B, Sq) and (B, Sk) int32, compared where a document is not contiguous.
     """
 
     def __init__(
@@ -221,11 +226,18 @@ class FlashFwdSm100(FwdCall):
         causal: bool = False,
         softmax_scale: float | None = None,
         tiles: Sm100FwdTiles | None = None,
+        masked: bool = False,
+        segments: bool = False,
     ):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        if masked and causal or segments and not masked:
+            raise ValueError("masked kernels carry causal in their intervals, and "
+                             "segments need masked")
         self.causal = causal
+        self.masked = masked
+        self.segments = segments
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )
@@ -256,8 +268,8 @@ class FlashFwdSm100(FwdCall):
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter=None, mRanges=None, mQSeg=None,
                mKSeg=None):
-        """The host side of ``FwdCall.__call__``, with the tensors as it takes them (it
-        takes none of the optional ones)."""
+        """The host side of ``FwdCall.__call__``, with the tensors as it takes them (no
+        tile counter; with ``masked`` the key intervals, with ``segments`` the ids)."""
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -346,6 +358,9 @@ class FlashFwdSm100(FwdCall):
             tma_V,
             tma_O,
             mLSE,
+            mRanges,
+            mQSeg,
+            mKSeg,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -369,6 +384,9 @@ class FlashFwdSm100(FwdCall):
         mVt: cute.Tensor,  # TMA view of V^T (Dv, Sk, Hkv, B)
         mO: cute.Tensor,  # TMA view of O (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
+        mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
+        mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -441,14 +459,30 @@ class FlashFwdSm100(FwdCall):
         # launch them first so the longest CTAs do not start last.
         bidx, head, batch = cute.arch.block_idx()
         m_block = bidx
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.causal or self.masked):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         head_kv = head // (mQ.shape[2] // mK.shape[2])
+        # Blocks [n_end - n_blocks, n_end), walked from the last; the first n_masked
+        # steps masked, then n_full unmasked ones, then the rest masked again.
         n_blocks, n_masked = kv_block_schedule(
             m_block, seqlen_k, self.causal, 2 * self.tile_m, self.tile_n
         )
+        n_end, n_full = n_blocks, n_blocks - n_masked
+        masks = None
+        if cutlass.const_expr(self.masked):
+            # Every warp reduces the CTA's 256 rows' intervals itself (BlockRange).
+            blocks = BlockRange(mRanges, 2 * self.tile_m, self.tile_n, m_block, batch,
+                                seqlen_q, at_least_one=True)
+            n_end = blocks.end
+            n_blocks = blocks.end - blocks.first
+            hi_edge = cutlass.max(cutlass.min(blocks.full_end, n_end - 1), blocks.first)
+            lo_edge = cutlass.max(cutlass.min(blocks.full_first, hi_edge), blocks.first)
+            # The last block is always masked (it carries the sequence end).
+            n_masked = n_end - hi_edge
+            n_full = hi_edge - lo_edge
+            masks = (mRanges, mQSeg, mKSeg, batch, seqlen_q, seqlen_k)
 
         cute.arch.sync_threads()  # barriers initialised and visible
 
@@ -457,7 +491,7 @@ class FlashFwdSm100(FwdCall):
             tile = warp_idx // 4
             self.softmax(
                 tmem, tiled_mma_qk, row_scale, row_sum, row_max, mbar, tile,
-                m_block, seqlen_k, n_blocks, n_masked,
+                m_block, seqlen_k, n_blocks, n_masked, n_end, n_full, masks,
             )  # fmt: skip
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_decrease(self.tiles.correction_regs)
@@ -478,7 +512,7 @@ class FlashFwdSm100(FwdCall):
                 self.load(
                     mQ, mK, mVt, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_kv, m_block, head, head_kv,
-                    batch, n_blocks,
+                    batch, n_blocks, n_end,
                 )  # fmt: skip
 
     # ------------------------------------------------------------------ load
@@ -503,8 +537,10 @@ class FlashFwdSm100(FwdCall):
         head_kv: Int32,
         batch: Int32,
         n_blocks: Int32,
+        n_end: Int32,
     ):
-        """Load warp: Q0, K(first), Q1, then K(t), V(t-1) ... V(last) through the ring.
+        """Load warp: Q0, K(first), Q1, then K(t), V(t-1) ... V(last) through the ring,
+        for the n_blocks key blocks before n_end, the last first.
 
         This is the order the MMA warp consumes them in. TMA zero-fills rows
         past the sequence ends, so tails need no special loads.
@@ -524,7 +560,7 @@ class FlashFwdSm100(FwdCall):
             pipeline.PipelineUserType.Producer, self.tiles.kv_stages
         )
 
-        n_last = n_blocks - 1
+        n_last = n_end - 1
         q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block, 0], tQsQ, q_state)
         kv_state = self._tma_load(pipe_kv, tma_atom_K, tKgK[None, n_last, 0], tKsK, kv_state)
         q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block + 1, 0], tQsQ, q_state)
@@ -535,7 +571,8 @@ class FlashFwdSm100(FwdCall):
             kv_state = self._tma_load(
                 pipe_kv, tma_atom_V, tVgV[None, 0, n_last - t + 1], tVsV, kv_state
             )
-        kv_state = self._tma_load(pipe_kv, tma_atom_V, tVgV[None, 0, 0], tVsV, kv_state)
+        kv_state = self._tma_load(pipe_kv, tma_atom_V, tVgV[None, 0, n_end - n_blocks], tVsV,
+                                  kv_state)
 
     @cute.jit
     def _tma_load(
@@ -751,8 +788,14 @@ class FlashFwdSm100(FwdCall):
         seqlen_k: Int32,
         n_blocks: Int32,
         n_masked: Int32,
+        n_end: Int32,
+        n_full: Int32,
+        masks: tuple | None,
     ):
         """Softmax warpgroup of Q tile ``tile``: one thread per row, whole rows.
+        Steps [0, n_masked) and [n_masked + n_full, n_blocks) are masked, the block
+        of step t being n_end - 1 - t; ``masks``: (key intervals, segment ids, batch,
+        seqlen_q, seqlen_k) with ``masked``, else None.
 
         A thread holds its row's 128 scores, so the row max and sum need no
         shuffles. Per block: S from TMEM, mask, lazy max (Note [Lazy rescale] in
@@ -802,18 +845,40 @@ class FlashFwdSm100(FwdCall):
         c = self.scale_log2
         m_ref = Float32(-math.inf)  # reference max of the row (stale by up to the threshold)
         l_sum = Float32(0.0)  # row sum of P against m_ref, fp32 (before 16-bit rounding)
-        n_last = n_blocks - 1
+        n_last = n_end - 1
+        # masked: the row's key interval [lo, lo + width), read once; a row past
+        # the sequence end sees nothing.
+        lo = width = seg = None
+        if cutlass.const_expr(masks is not None):
+            mRanges, mQSeg, _, batch, seqlen_q, _ = masks
+            at = cutlass.min(row_global, seqlen_q - 1)
+            hi_raw = mRanges[batch, at, 1]
+            lo = mRanges[batch, at, 0]
+            width = cutlass.select_(row_global < seqlen_q,
+                                    cutlass.max(cutlass.select_(hi_raw < 0, ~hi_raw, hi_raw)
+                                                - lo, 0), Int32(0))
+            if cutlass.const_expr(mQSeg is not None):
+                # The row's id where its document is not contiguous, else -1 - 2^31
+                # (no compare): ids are compared only for such rows.
+                seg = cutlass.select_(hi_raw < 0, mQSeg[batch, at], Int32(-(1 << 31)))
+        row_mask = (row_global, seqlen_k, lo, width, seg, masks)
 
         for t in cutlass.range(n_masked, unroll=1):
             m_ref, l_sum = self._softmax_step(
-                t, n_last - t, True, row_global, seqlen_k, m_ref, l_sum, c, mbar,
+                t, n_last - t, True, row_mask, m_ref, l_sum, c, mbar,
                 tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
             )  # fmt: skip
-        for t in cutlass.range(n_masked, n_blocks, unroll=1):
+        for t in cutlass.range(n_masked, n_masked + n_full, unroll=1):
             m_ref, l_sum = self._softmax_step(
-                t, n_last - t, False, row_global, seqlen_k, m_ref, l_sum, c, mbar,
+                t, n_last - t, False, row_mask, m_ref, l_sum, c, mbar,
                 tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
             )  # fmt: skip
+        if cutlass.const_expr(masks is not None):
+            for t in cutlass.range(n_masked + n_full, n_blocks, unroll=1):
+                m_ref, l_sum = self._softmax_step(
+                    t, n_last - t, True, row_mask, m_ref, l_sum, c, mbar,
+                    tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
+                )  # fmt: skip
 
         # Final stats for the correction warps (their own slots, see correction()).
         row_sum[row, tile] = l_sum
@@ -826,8 +891,7 @@ class FlashFwdSm100(FwdCall):
         t: Int32,
         n_block: Int32,
         apply_mask: cutlass.Constexpr[bool],
-        row_global: Int32,
-        seqlen_k: Int32,
+        row_mask: tuple,  # (row_global, seqlen_k, lo, width, seg, masks): softmax()
         m_ref: Float32,
         l_sum: Float32,
         c: cutlass.Constexpr[float],
@@ -851,7 +915,21 @@ class FlashFwdSm100(FwdCall):
         cute.arch.fence_view_async_tmem_load()
         n = cute.size(rS)
 
-        if cutlass.const_expr(apply_mask):
+        row_global, seqlen_k, lo, width, seg, masks = row_mask
+        if cutlass.const_expr(apply_mask and masks is not None):
+            # Key j is visible iff lo <= j < lo + width (the row's interval), and
+            # where the row's document is not contiguous iff its id is the row's.
+            lo_n = lo - n_block * self.tile_n
+            for i in cutlass.range_constexpr(n):
+                rS[i] = keep_inside(rS[i], tScrd[i][1], lo_n, width)
+            if cutlass.const_expr(seg is not None):
+                if seg != Int32(-(1 << 31)):
+                    mKSeg, batch = masks[2], masks[3]
+                    for i in cutlass.range_constexpr(n):
+                        col = cutlass.min(n_block * self.tile_n + tScrd[i][1], seqlen_k - 1)
+                        same = mKSeg[batch, col] == seg
+                        rS[i] = rS[i] if same else -Float32.inf
+        elif cutlass.const_expr(apply_mask):
             # Key j is visible iff j < seqlen_k and (not causal or j <= query row).
             limit = seqlen_k - n_block * self.tile_n
             if cutlass.const_expr(self.causal):

@@ -1233,7 +1233,8 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.dynamic:
-            raise ValueError("FlashFwdSm90Dynamic is the causal / masked persistent forward")
+            raise ValueError("FlashFwdSm90Dynamic is the causal persistent forward (or the "
+                             "masked one)")
 
 
 

@@ -38,7 +38,7 @@ EMPTY_LO = 1 << 30
 
 
 # The (architecture, direction) pairs whose kernels take the intervals.
-MASKED_KERNELS = {("sm_90a", "fwd"), ("sm_90a", "bwd")}
+MASKED_KERNELS = {(a, k) for a in ("sm_90a", "sm_100a") for k in ("fwd", "bwd")}
 
 
 def masked_kernel_error(arch: str, kind: str, config: AttentionConfig) -> str | None:
@@ -48,7 +48,7 @@ def masked_kernel_error(arch: str, kind: str, config: AttentionConfig) -> str | 
         direction = "forward" if kind == "fwd" else "backward"
         return f"no {arch} {direction} kernel takes {what} yet"
     if kind == "bwd" and config.deterministic:
-        return f"no deterministic backward kernel takes {what} yet"
+        return f"no deterministic {arch} backward kernel takes {what} yet"
     return None
 
 
