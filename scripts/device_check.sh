@@ -4,6 +4,7 @@
 # summary last.
 #   bash scripts/device_check.sh tests   [pytest args...]          # pytest -m gpu
 #   bash scripts/device_check.sh bench   [bench_attention args...] # the benchmark
+#   bash scripts/device_check.sh masks   [bench_masks args...]     # the masked rows
 #   bash scripts/device_check.sh compile [compile_time args...]    # compile times
 #   bash scripts/device_check.sh all                               # all, and the example
 # OUT: the folder for the logs, the benchmark's CSV and plot, and the compile-time CSV
@@ -16,8 +17,8 @@
 set -uo pipefail
 what=${1:-all}; shift || true
 case $what in
-  tests|bench|compile|all) ;;
-  *) echo "usage: $0 tests|bench|compile|all [args...]"; exit 2;;
+  tests|bench|masks|compile|all) ;;
+  *) echo "usage: $0 tests|bench|masks|compile|all [args...]"; exit 2;;
 esac
 out=${OUT:-bench_out}; mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -52,6 +53,12 @@ if [[ $what == bench || $what == all ]]; then
   python benchmarks/bench_attention.py --out "$out" "${args[@]}" 2>&1 \
     | tee "$out/bench.log" | tail -40
   summary+="bench: $(grep -m1 'csv:' "$out/bench.log" || tail -1 "$out/bench.log")"$'\n'
+fi
+if [[ $what == masks || $what == all ]]; then
+  args=(); [[ $what == masks ]] && args=("$@")
+  python benchmarks/bench_masks.py --out "$out" "${args[@]}" 2>&1 \
+    | tee "$out/bench_masks.log" | tail -16
+  summary+="masks: $(grep -m1 'csv:' "$out/bench_masks.log" || tail -1 "$out/bench_masks.log")"$'\n'
 fi
 if [[ $what == compile || $what == all ]]; then
   args=(); [[ $what == compile ]] && args=("$@")

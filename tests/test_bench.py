@@ -244,3 +244,21 @@ def test_main_writes_only_into_its_out_folder(tmp_path, monkeypatch):
     out = tmp_path / "elsewhere"
     ba.main(["--cases", "64:128:1", "--peers", "", "--out", str(out)])
     assert sorted(p.suffix for p in out.iterdir()) >= [".csv"]
+
+
+def test_masked_cases_count_their_visible_pairs():
+    """bench_masks.py's TFLOP/s count the visible pairs of each case, by the
+    reference's rule."""
+    import bench_masks as bm
+
+    cases = {c.name: c for c in bm.cases()}
+    tri = lambda n: n * (n + 1) // 2  # noqa: E731
+    # Causal over 8k, the second row's keys cut at 4k.
+    assert bm.visible_pairs(cases["lengths"]) == tri(8192) + tri(4096) + 4096 * 4096
+    # 8 documents of 1k per row, causal inside each.
+    assert bm.visible_pairs(cases["packed"]) == 2 * 8 * tri(1024)
+    # Bottom-right: query i of 1k sees keys j <= i + 7k.
+    assert bm.visible_pairs(cases["chunk"]) == 2 * sum(7168 + i + 1 for i in range(1024))
+    # Causal window (1024, 0): each query sees itself and up to 1024 keys before.
+    assert bm.visible_pairs(cases["window8k"]) == 2 * sum(min(i, 1024) + 1
+                                                          for i in range(8192))

@@ -88,9 +88,9 @@ def _assert_lse(got, hi, lo):
 
 
 SHAPES = [(2, 300, 300, 4, 2), (2, 113, 503, 4, 1), (2, 503, 113, 2, 2), (1, 1000, 1000, 2, 1)]
-# Every shape at hdim 128; two at 64 and 256, to keep the device run short.
-CASES = ([(s, 128) for s in SHAPES] + [(s, 64) for s in SHAPES[1:3]]
-         + [(s, 256) for s in (SHAPES[0], SHAPES[3])])
+# Three shapes at hdim 128, one each at 64 and 256 (the other classes), to keep the
+# device run short.
+CASES = ([(s, 128) for s in SHAPES[1:]] + [(SHAPES[1], 64), (SHAPES[0], 256)])
 NAMES = list(_cases(1, 8, 8))
 
 

@@ -868,7 +868,10 @@ class FlashFwdSm100(FwdCall):
                 t, n_last - t, True, row_mask, m_ref, l_sum, c, mbar,
                 tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
             )  # fmt: skip
-        for t in cutlass.range(n_masked, n_masked + n_full, unroll=1):
+        # (Plain: n_masked + n_full is n_blocks; said so, the build is the one before
+        # the masks.)
+        full_end = n_blocks if cutlass.const_expr(masks is None) else n_masked + n_full
+        for t in cutlass.range(n_masked, full_end, unroll=1):
             m_ref, l_sum = self._softmax_step(
                 t, n_last - t, False, row_mask, m_ref, l_sum, c, mbar,
                 tile, row, row_scale, thr_ld, tSsrc, tScrd, rS, thr_st, tPdst, rP32, rP,
