@@ -12,6 +12,7 @@ import pytest
 from test_masks import CASES, visible_np
 
 from jax_fa4.config import AttentionConfig
+from jax_fa4.kernels.mask import edge_walk
 from jax_fa4.reference import Masks
 from jax_fa4.rules.ranges import EMPTY_LO, block_ranges, decode, key_ranges, query_ranges
 
@@ -91,3 +92,22 @@ def test_block_ranges_skip_only_masked_blocks(name, tile, block):
                     assert end > first
                     if not rows.any():
                         assert (first, end) == (0, 1)
+
+
+@pytest.mark.parametrize("name", list(ALL))
+@pytest.mark.parametrize("tile,block", [(16, 8), (7, 5), (37, 4)])
+def test_forward_walk_masks_every_block_with_a_masked_element(name, tile, block):
+    """The forward walks its blocks in three runs (``edge_walk``): the runs it leaves
+    unmasked hold only visible elements, the others cover every partly masked
+    block."""
+    config, masks, vis = _setup(ALL[name])
+    ranges = np.asarray(query_ranges(config, SQ, SK, masks, B))
+    cols = np.arange(SK) // block
+    for b in range(B):
+        for t, (first, end, full_first, full_end, _) in enumerate(
+                block_ranges(ranges[b], tile, block, at_least_one=True)):
+            hi_edge, lo_edge = edge_walk(first, end, full_first, full_end)
+            assert first <= lo_edge <= hi_edge <= end - 1
+            rows = vis[b, t * tile:(t + 1) * tile]
+            unmasked = (cols >= lo_edge) & (cols < hi_edge)
+            assert rows[:, unmasked].all(), (b, t)

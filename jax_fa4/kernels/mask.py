@@ -277,6 +277,17 @@ class BlockRange:
         return (n < full_first) | (n >= full_end)
 
 
+def edge_walk(first, end, full_first, full_end, minimum=min, maximum=max):
+    """(hi_edge, lo_edge) of a forward tile's walk over blocks [first, end), from the
+    last: [hi_edge, end) masked (the last block always: it carries the sequence
+    end), [lo_edge, hi_edge) unmasked (inside ``BlockRange``'s full blocks), and
+    [first, lo_edge) masked again. For plain ints (the host mirror in tests) and DSL
+    integers (``cutlass.min`` / ``cutlass.max``) alike."""
+    hi_edge = maximum(minimum(full_end, end - 1), first)
+    lo_edge = maximum(minimum(full_first, hi_edge), first)
+    return hi_edge, lo_edge
+
+
 class RangeMask:
     """Masks a (tile_m, tile_n) sm90 score tile of one thread to its rows' key
     intervals (rules/ranges.py), and, for rows whose segment is not contiguous, to

@@ -73,7 +73,7 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import FwdCall, as_cutlass_dtype, permute, tma_tile_partition
 from jax_fa4.kernels.exp2 import exp2_poly_x2
-from jax_fa4.kernels.mask import BlockRange, keep_inside
+from jax_fa4.kernels.mask import BlockRange, edge_walk, keep_inside
 from jax_fa4.kernels.softmax import RESCALE_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -477,8 +477,8 @@ class FlashFwdSm100(FwdCall):
                                 seqlen_q, at_least_one=True)
             n_end = blocks.end
             n_blocks = blocks.end - blocks.first
-            hi_edge = cutlass.max(cutlass.min(blocks.full_end, n_end - 1), blocks.first)
-            lo_edge = cutlass.max(cutlass.min(blocks.full_first, hi_edge), blocks.first)
+            hi_edge, lo_edge = edge_walk(blocks.first, n_end, blocks.full_first,
+                                         blocks.full_end, cutlass.min, cutlass.max)
             # The last block is always masked (it carries the sequence end).
             n_masked = n_end - hi_edge
             n_full = hi_edge - lo_edge

@@ -53,7 +53,7 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
-from jax_fa4.kernels.mask import BlockRange, RangeMask, TileMask
+from jax_fa4.kernels.mask import BlockRange, RangeMask, TileMask, edge_walk
 from jax_fa4.kernels.softmax import (
     OnlineSoftmax,
     acc_mn_view,
@@ -1075,8 +1075,8 @@ class FlashFwdSm90(FwdCall):
                 # As causal: blocks [hi_edge, n_last) masked (the diagonal, the key
                 # lengths), [lo_edge, hi_edge) not, [n_first, lo_edge) masked (a
                 # window's left edge, earlier documents), walked from the last.
-                hi_edge = cutlass.max(cutlass.min(full_end, n_last), n_first)
-                lo_edge = cutlass.max(cutlass.min(full_first, hi_edge), n_first)
+                hi_edge, lo_edge = edge_walk(n_first, n_last + 1, full_first, full_end,
+                                             cutlass.min, cutlass.max)
                 for i in cutlass.range(n_last - hi_edge, unroll=1):
                     state = self._overlapped_step(state, n_last - 1 - i, *step_args,
                                                   mask_causal=True)

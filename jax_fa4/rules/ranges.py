@@ -177,6 +177,8 @@ def block_ranges(ranges: np.ndarray, tile: int, block: int, at_least_one: bool):
             first, end = 0, 1
         end = max(end, first)
         full_first = -(-int(tlo.max()) // block)
-        full_end = int(thi.min()) // block
-        out.append((first, end, full_first, full_end, bool(exact[t0:t0 + tile].all())))
+        tile_exact = bool(exact[t0:t0 + tile].all())
+        # A row that compares segment ids leaves no block free of the mask.
+        full_end = int(thi.min()) // block if tile_exact else 0
+        out.append((first, end, full_first, full_end, tile_exact))
     return out
