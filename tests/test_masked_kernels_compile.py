@@ -75,12 +75,6 @@ def test_masks_lower_to_the_sm90_kernels_one_build_for_all(monkeypatch, d):
     assert not next(iter(fwd)).causal  # causal travels in the intervals
 
 
-def test_segment_ids_take_their_own_build(monkeypatch):
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
-    text = _lower(_step(causal=True, q_segment_ids=True, kv_segment_ids=True), 128)
-    assert text.count(CALL) == 4
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_deterministic_masks_take_the_logged_reference_backward(monkeypatch, caplog, arch):
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
@@ -96,9 +90,9 @@ def test_deterministic_masks_take_the_logged_reference_backward(monkeypatch, cap
 def test_masks_lower_to_the_sm100_kernels(monkeypatch):
     """Compiled, not run on hardware."""
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
-    for masks in (dict(causal=True, kv_lengths=True),
-                  dict(causal="bottom_right", q_segment_ids=True, kv_segment_ids=True)):
-        assert _lower(_step(**masks), 128).count(CALL) == 4
+    masks = dict(causal="bottom_right", kv_lengths=True, q_segment_ids=True,
+                 kv_segment_ids=True)
+    assert _lower(_step(**masks), 128).count(CALL) == 4
 
 
 # (arch, direction, head dim, segment ids): each masked kernel class once.
