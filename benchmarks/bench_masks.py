@@ -93,14 +93,17 @@ def visible_pairs(c: Case) -> int:
     m = Masks(None, None if "kv_lengths" not in kw else jnp.asarray(kw["kv_lengths"]),
               None if "q_segment_ids" not in kw else jnp.asarray(kw["q_segment_ids"]),
               None if "q_segment_ids" not in kw else jnp.asarray(kw["q_segment_ids"]))
-    total = 0
-    step = 1024
-    for i0 in range(0, c.sq, step):
-        q_idx = jnp.arange(i0, min(i0 + step, c.sq))
-        vis = visible(q_idx, jnp.arange(c.sk), c.sq, c.sk, causal=bool(causal),
-                      bottom_right=causal == "bottom_right", window=kw.get("window"), masks=m)
-        total += int(jnp.broadcast_to(vis, (c.b, *vis.shape[1:])).sum())
-    return total
+    step = min(c.sq, 1024)
+
+    @jax.jit
+    def count(i0, m):
+        vis = visible(i0 + jnp.arange(step), jnp.arange(c.sk), c.sq, c.sk,
+                      causal=bool(causal), bottom_right=causal == "bottom_right",
+                      window=kw.get("window"), masks=m)
+        return jnp.broadcast_to(vis, (c.b, *vis.shape[1:])).sum()
+
+    assert c.sq % step == 0
+    return sum(int(count(i0, m)) for i0 in range(0, c.sq, step))
 
 
 def _jnp(kw):
