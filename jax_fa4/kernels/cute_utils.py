@@ -47,6 +47,28 @@ def init_bwd_kernel(kernel, name: str, dtype, head_dim: int, head_dim_v: int | N
                             else float(softmax_scale))
 
 
+def set_mask_flags(kernel, causal: bool, masked: bool, segments: bool) -> None:
+    """Store a kernel's ``masked`` / ``segments`` flags: a masked kernel takes the
+    intervals of rules/ranges.py, which carry causal too (so it is not also causal),
+    and segment ids come with the intervals only."""
+    if masked and causal or segments and not masked:
+        raise ValueError("masked kernels carry causal in their intervals, and segment "
+                         "ids need masked")
+    kernel.masked = masked
+    kernel.segments = segments
+
+
+def _pop_mask_operands(kernel, rest: list) -> tuple:
+    """(intervals, query ids, key ids) from the front of a call's remaining operands
+    as the kernel takes them (None for those it does not), checked to be int32."""
+    masks = [rest.pop(0) if kernel.masked else None]
+    masks += [rest.pop(0), rest.pop(0)] if kernel.segments else [None, None]
+    for t in masks:
+        if const_expr(t is not None and t.element_type != Int32):
+            raise TypeError("intervals and segment ids must be int32")
+    return tuple(masks)
+
+
 def permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     """Re-view a tensor with its modes reordered (no data movement)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
@@ -227,18 +249,12 @@ class FwdCall:
         # (B, Hq, Sq) f32
     ):
         rest = list(rest)
-        mTileCounter = mRanges = mQSeg = mKSeg = None
+        mTileCounter = None
         if const_expr(self.takes_tile_counter):
             mTileCounter = rest.pop(0)
             if const_expr(mTileCounter.element_type != Int32):
                 raise TypeError("the tile counter must be int32")
-        if const_expr(self.masked):
-            mRanges = rest.pop(0)
-        if const_expr(self.segments):
-            mQSeg, mKSeg = rest.pop(0), rest.pop(0)
-        for t in (mRanges, mQSeg, mKSeg):
-            if const_expr(t is not None and t.element_type != Int32):
-                raise TypeError("key intervals and segment ids must be int32")
+        mRanges, mQSeg, mKSeg = _pop_mask_operands(self, rest)
         mO, mLSE = rest
         self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg)
 
@@ -276,14 +292,7 @@ class BwdMainCall:
             mdQsem = rest.pop(0)
             if const_expr(mdQsem.element_type != Int32):
                 raise TypeError("the dQ semaphores must be int32")
-        masks = ()
-        if const_expr(self.masked):
-            masks = (rest.pop(0),)
-            if const_expr(self.segments):
-                masks = masks + (rest.pop(0), rest.pop(0))
-            for t in masks:
-                if const_expr(t.element_type != Int32):
-                    raise TypeError("query intervals and segment ids must be int32")
+        masks = _pop_mask_operands(self, rest)
         mdK, mdV = rest
         if const_expr(self.takes_dq_semaphores):
             self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,

@@ -76,6 +76,7 @@ from jax_fa4.kernels.cute_utils import (
     permute,
     semaphore_release_after_bulk,
     semaphore_wait,
+    set_mask_flags,
     tma_tile_partition,
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
@@ -198,11 +199,9 @@ class FlashBwdSm100(BwdMainCall):
         self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
-        if masked and (causal or deterministic) or segments and not masked:
-            raise ValueError("masked kernels carry causal in their intervals, have no "
-                             "deterministic form, and segments need masked")
-        self.masked = masked
-        self.segments = segments
+        if masked and deterministic:
+            raise ValueError("no deterministic backward takes intervals")
+        set_mask_flags(self, causal, masked, segments)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n

@@ -71,7 +71,13 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_fa4.config import LN_2, LOG2_E
-from jax_fa4.kernels.cute_utils import FwdCall, as_cutlass_dtype, permute, tma_tile_partition
+from jax_fa4.kernels.cute_utils import (
+    FwdCall,
+    as_cutlass_dtype,
+    permute,
+    set_mask_flags,
+    tma_tile_partition,
+)
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.mask import BlockRange, edge_walk, keep_inside
 from jax_fa4.kernels.softmax import RESCALE_THRESHOLD
@@ -232,12 +238,8 @@ class FlashFwdSm100(FwdCall):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        if masked and causal or segments and not masked:
-            raise ValueError("masked kernels carry causal in their intervals, and "
-                             "segments need masked")
         self.causal = causal
-        self.masked = masked
-        self.segments = segments
+        set_mask_flags(self, causal, masked, segments)
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )

@@ -26,6 +26,7 @@ from jax_fa4.kernels.cute_utils import (
     init_bwd_kernel,
     pdl_start,
     permute,
+    set_mask_flags,
     sm90_smem_layout,
     stat_rows_view,
     tma_tile_partition,
@@ -114,11 +115,7 @@ class Sm90BwdCommon(BwdMainCall):
     ):
         init_bwd_kernel(self, type(self).__name__, dtype, head_dim, head_dim_v, self.head_dims,
                         causal, softmax_scale)
-        if masked and causal or segments and not masked:
-            raise ValueError("masked kernels carry causal in their intervals, and "
-                             "segments need masked")
-        self.masked = masked
-        self.segments = segments
+        set_mask_flags(self, causal, masked, segments)
         self.use_pdl = use_pdl
         log.debug("%s %s d=%d causal=%s", type(self).__name__, dtype, head_dim, causal)
 

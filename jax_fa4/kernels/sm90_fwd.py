@@ -46,6 +46,7 @@ from jax_fa4.kernels.cute_utils import (
     convert_to_operand_a,
     permute,
     pin_fragment,
+    set_mask_flags,
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
@@ -332,12 +333,8 @@ class FlashFwdSm90(FwdCall):
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         if self.head_dim % 16 or self.head_dim_v % 16:
             raise ValueError("head dims must be multiples of 16")
-        if masked and causal or segments and not masked:
-            raise ValueError("masked kernels carry causal in their intervals, and "
-                             "segments need masked")
         self.causal = causal
-        self.masked = masked
-        self.segments = segments
+        set_mask_flags(self, causal, masked, segments)
         # Tiles of unequal cost: launched (or handed out) longest first.
         self.lpt = causal or masked
         self.softmax_scale = (
