@@ -6,8 +6,14 @@
 # (2 warm-up steps, then the one to read).
 #   bash scripts/kernel_times.sh [hdim] [seqlen] [impls] [causal flags]
 #   e.g. bash scripts/kernel_times.sh 128 1024 "jax_fa4 fa4" "0 1"
+#   bash scripts/kernel_times.sh --case packed [impls]   # a masked row of bench_masks.py
 set -uo pipefail
-d=${1:-128}; s=${2:-1024}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
+case_args=()
+if [[ ${1:-} == --case ]]; then
+  case_args=(--case "$2"); d=128; s=4096; impls=${3:-"jax_fa4 fa4"}; causals=0
+else
+  d=${1:-128}; s=${2:-1024}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 tmp=$(mktemp -d)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -15,9 +21,11 @@ for impl in $impls; do
   for c in $causals; do
     flag=""; [[ $c == 1 ]] && flag="--causal"
     tag="${impl}_d${d}_s${s}_c${c}"
+    [[ ${#case_args[@]} -gt 0 ]] && tag="${impl}_${case_args[1]}"
     timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --cache-control none \
       --metrics gpu__time_duration.sum --csv --page raw \
       python "$here/profile_step.py" --impl "$impl" --hdim "$d" --seqlen "$s" --warmup 2 $flag \
+      "${case_args[@]}" \
       > "$tmp/$tag.csv" 2> "$tmp/$tag.err" || { echo "$tag: ncu failed"; tail -5 "$tmp/$tag.err"; continue; }
     python - "$tmp/$tag.csv" "$tag" <<'PY'
 import csv, sys

@@ -7,6 +7,8 @@ profile filtered on kernel names sees the last step's launches after the warm-up
 
     python scripts/profile_step.py --impl jax_fa4|fa4 [--hdim 128] [--seqlen 4096]
         [--causal] [--warmup 1]
+    python scripts/profile_step.py --impl jax_fa4|fa4 --case packed   # a masked row
+        # of benchmarks/bench_masks.py, with its shape and mask
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import os
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 TOKENS, HIDDEN = 16384, 2048
 
@@ -60,6 +63,43 @@ def run_fa4(b: int, s: int, h: int, d: int, causal: bool, steps: int) -> None:
     torch.cuda.synchronize()
 
 
+def run_case(impl: str, name: str, steps: int) -> None:
+    """A masked row of bench_masks.py: its inputs, its mask, its peer's call."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_masks
+    import jax
+    import jax.numpy as jnp
+
+    import jax_fa4
+
+    c = next(c for c in bench_masks.cases() if c.name == name)
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(ks[0], (c.b, c.sq, bench_masks.HEADS, bench_masks.HDIM), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (c.b, c.sk, bench_masks.HEADS, bench_masks.HDIM),
+                              jnp.bfloat16) for kk in ks[1:3])
+    if impl == "fa4":
+        import torch
+
+        if c.fa4 is None:
+            raise SystemExit(f"case {name} has no flash-attn-4 peer")
+        prep = bench_masks.prepare_fa4(c, q, k, v)
+        for _ in range(steps):
+            prep.fwd()
+            prep.bwd()
+        torch.cuda.synchronize()
+        return
+    kw = bench_masks._jnp(c.ours)
+
+    @jax.jit
+    def step(q, k, v, do):
+        _, vjp = jax.vjp(lambda q, k, v: jax_fa4.attention(
+            q, k, v, implementation="cute", **kw), q, k, v)
+        return vjp(do)
+
+    for _ in range(steps):
+        jax.block_until_ready(step(q, k, v, q))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--impl", choices=("jax_fa4", "fa4"), default="jax_fa4")
@@ -67,7 +107,13 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--case", default="", help="a masked row of bench_masks.py instead")
     args = ap.parse_args()
+    if args.case:
+        print(f"profile_step: {args.impl} case {args.case}", flush=True)
+        run_case(args.impl, args.case, args.warmup + 1)
+        print("profile_step: done", flush=True)
+        return
     d, s = args.hdim, args.seqlen
     b, h = TOKENS // s, HIDDEN // d
     print(f"profile_step: {args.impl} B={b} S={s} H={h} D={d} causal={args.causal}", flush=True)
