@@ -226,30 +226,33 @@ class Prepared:
     diff: bool = False
 
 
-def prepare_jax(attn, q, k, v, causal, bwd_timing="direct") -> Prepared:
+def prepare_jax(attn, q, k, v, causal, bwd_timing="direct", data=()) -> Prepared:
     """A JAX implementation, ready to time (``Prepared``).
 
     bwd_timing "direct": the pullback alone, timed on the residuals of one forward
     (jax.vjp's function is a pytree, so a jitted function takes it as an argument);
     "diff": the backward is the fwd+bwd step's time minus the forward's.
+    data: more arguments of ``attn`` after ``causal`` (mask arrays), passed to the
+    jitted functions as arguments: closed over, XLA would fold what they feed.
     """
-    fwd = jax.jit(lambda q, k, v: attn(q, k, v, causal))
+    fwd = jax.jit(lambda q, k, v, *d: attn(q, k, v, causal, *d))
     dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
 
-    def _bwd(q, k, v, dout):  # dout is an argument: closed over, it would be a constant in the HLO
-        _, pull = jax.vjp(lambda q, k, v: attn(q, k, v, causal), q, k, v)
+    # dout is an argument: closed over, it would be a constant in the HLO.
+    def _bwd(q, k, v, dout, *d):
+        _, pull = jax.vjp(lambda q, k, v: attn(q, k, v, causal, *d), q, k, v)
         return pull(dout)
 
     step = jax.jit(_bwd)
-    mem = xla_memory(step, (q, k, v, dout))
+    mem = xla_memory(step, (q, k, v, dout, *data))
     if bwd_timing == "direct":
-        _, pull = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: attn(q, k, v, causal),
-                                                  q, k, v))(q, k, v)
+        _, pull = jax.jit(lambda q, k, v, *d: jax.vjp(
+            lambda q, k, v: attn(q, k, v, causal, *d), q, k, v))(q, k, v, *data)
         pullback = jax.jit(lambda pull, dout: pull(dout))
-        return Prepared(lambda: fwd(q, k, v), lambda: pullback(pull, dout),
+        return Prepared(lambda: fwd(q, k, v, *data), lambda: pullback(pull, dout),
                         jax.block_until_ready, mem)
-    return Prepared(lambda: fwd(q, k, v), lambda: step(q, k, v, dout), jax.block_until_ready,
-                    mem, diff=True)
+    return Prepared(lambda: fwd(q, k, v, *data), lambda: step(q, k, v, dout, *data),
+                    jax.block_until_ready, mem, diff=True)
 
 
 def measure(prep: Prepared, iters: int, reps: int = 5):

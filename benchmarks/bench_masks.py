@@ -106,8 +106,17 @@ def visible_pairs(c: Case) -> int:
     return sum(int(count(i0, m)) for i0 in range(0, c.sq, step))
 
 
-def _jnp(kw):
-    return {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+def _with_arrays(kw, call):
+    """(the array arguments of ``kw`` by name, ``attn(q, k, v, causal, *arrays)``
+    calling ``call(q, k, v, **kw)`` with them): ``prepare_jax`` passes the arrays
+    to its jitted functions as arguments."""
+    arrays = {n: jnp.asarray(x) for n, x in kw.items() if isinstance(x, np.ndarray)}
+    rest = {n: x for n, x in kw.items() if n not in arrays}
+
+    def attn(q, k, v, _, *values):
+        return call(q, k, v, **rest, **dict(zip(arrays, values)))
+
+    return arrays, attn
 
 
 def prepare_fa4(c: Case, q, k, v) -> Prepared:
@@ -168,21 +177,23 @@ def main(argv=None):
         kq, kk, kv = jax.random.split(jax.random.key(i), 3)
         q = jax.random.normal(kq, (c.b, c.sq, HEADS, HDIM), jnp.bfloat16)
         k, v = (jax.random.normal(x, (c.b, c.sk, HEADS, HDIM), jnp.bfloat16) for x in (kk, kv))
-        ours = _jnp(c.ours)
-        impls = {"jax_fa4": lambda q, k, v, _, kw=ours: jax_fa4.attention(
-            q, k, v, implementation="cute", **kw)}
+        # Mask arrays are arguments of the timed functions, as in a training step
+        # that gets them with its batch: their passes to the kernels' intervals
+        # are timed with the attention.
+        impls = {"jax_fa4": _with_arrays(c.ours, lambda q, k, v, **kw: jax_fa4.attention(
+            q, k, v, implementation="cute", **kw))}
         if c.plain:
-            impls["jax_fa4_plain"] = lambda q, k, v, _: jax_fa4.attention(
-                q, k, v, causal=True, implementation="cute")
+            impls["jax_fa4_plain"] = ({}, lambda q, k, v, _: jax_fa4.attention(
+                q, k, v, causal=True, implementation="cute"))
         if c.cudnn is not None and "cudnn" in peers:
-            theirs = _jnp(c.cudnn)
-            impls["cudnn"] = lambda q, k, v, _, kw=theirs: jax.nn.dot_product_attention(
-                q, k, v, implementation="cudnn", **kw)
+            impls["cudnn"] = _with_arrays(c.cudnn, lambda q, k, v, **kw:
+                                          jax.nn.dot_product_attention(
+                                              q, k, v, implementation="cudnn", **kw))
         preps = {}
-        for name, attn in impls.items():
+        for name, (arrays, attn) in impls.items():
             print(f"[{i + 1}/{len(chosen)}] {c.name}: {name} (set up) ...", flush=True)
             try:
-                preps[name] = prepare_jax(attn, q, k, v, None)
+                preps[name] = prepare_jax(attn, q, k, v, None, data=tuple(arrays.values()))
             except Exception as e:  # noqa: BLE001 - report and continue with the others
                 print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if c.fa4 is not None and "fa4" in peers:

@@ -88,16 +88,17 @@ def run_case(impl: str, name: str, steps: int) -> None:
             prep.bwd()
         torch.cuda.synchronize()
         return
-    kw = bench_masks._jnp(c.ours)
+    # The mask arrays are arguments, as bench_masks.py times them.
+    arrays, attn = bench_masks._with_arrays(c.ours, lambda q, k, v, **kw: jax_fa4.attention(
+        q, k, v, implementation="cute", **kw))
 
     @jax.jit
-    def step(q, k, v, do):
-        _, vjp = jax.vjp(lambda q, k, v: jax_fa4.attention(
-            q, k, v, implementation="cute", **kw), q, k, v)
+    def step(q, k, v, do, *data):
+        _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, None, *data), q, k, v)
         return vjp(do)
 
     for _ in range(steps):
-        jax.block_until_ready(step(q, k, v, q))
+        jax.block_until_ready(step(q, k, v, q, *arrays.values()))
 
 
 def main() -> None:

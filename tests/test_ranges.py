@@ -111,3 +111,33 @@ def test_forward_walk_masks_every_block_with_a_masked_element(name, tile, block)
             rows = vis[b, t * tile:(t + 1) * tile]
             unmasked = (cols >= lo_edge) & (cols < hi_edge)
             assert rows[:, unmasked].all(), (b, t)
+
+
+# Note [Segment table] in rules/ranges.py: ids are hashed to slots mod a power of
+# two >= the row (64 for 45 keys).
+_DOCS = np.repeat(np.array([7, -3, 1_000_001, 0], np.int32), [10, 20, 12, 3])
+
+
+@pytest.mark.parametrize("ids,exact", [
+    (_DOCS, True),  # any int32 ids, a padding id at the end: contiguous documents
+    (np.repeat(np.array([3, 67, 5], np.int32), [20, 15, 10]), False),  # 3 and 67 share a slot
+    (np.repeat(np.array([1, 2, 1], np.int32), [20, 15, 10]), False),  # id 1 comes back
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_intervals_of_any_ids(ids, exact, causal):
+    """Contiguous documents give exact intervals whatever their ids; ids that share
+    a slot of the table or come back give intervals marked for the id compare, and
+    both match the visibility rule."""
+    seg = np.stack([ids, ids[::-1], ids])
+    kw = dict(q_segment_ids=seg, kv_segment_ids=seg, causal=causal)
+    config = AttentionConfig(scale=1.0, causal=causal, segments=True)
+    masks = Masks(None, None, jnp.asarray(seg), jnp.asarray(seg))
+    vis = visible_np(B, SK, SK, causal=causal, q_seg=seg, kv_seg=seg)
+    same = seg[:, :, None] == seg[:, None, :]
+    q_ranges = query_ranges(config, SK, SK, masks, B)
+    _check(q_ranges, vis, same)
+    _check(key_ranges(config, SK, SK, masks, B), vis.transpose(0, 2, 1), same)
+    # The rows whose document's id is alone in its slot and never comes back.
+    alone = True if exact else np.isin(seg, [5, 2])
+    got = decode(np.asarray(q_ranges))[2]
+    assert np.array_equal(got, np.broadcast_to(alone, got.shape)), kw

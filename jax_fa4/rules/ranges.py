@@ -13,6 +13,16 @@ the intervals of a tile's rows to the blocks it visits (no fully masked block is
 loaded) and to those whose every element is visible (no element mask there);
 ``block_ranges`` mirrors that reduction on the host for tests.
 
+Note [Segment table]: segment ids are data, any int32 values. Each id's first
+and last position, and whether it is one run, come from a table of T slots (T a
+power of two >= the row's length) filled by one scatter-max from the ends of the
+runs of equal ids, and read at slot ``id mod T``. A slot that holds one id, whose
+last run starts where its first does, is a contiguous document: its intervals
+are exact. Ids that come back, or that share a slot (equal modulo T, which ids
+counted from 0 or 1 never are), get an interval that holds all their positions,
+marked for the id compare: correct, only less skipped. (A sort and a binary
+search per query take XLA several kernels per direction instead of one scatter.)
+
 Encoding (Note [Interval encoding]):
 
 * an empty interval (a query that sees no key, a key no query sees, rows past the
@@ -74,27 +84,32 @@ def _lengths(masks: Masks, b: int, sq: int, sk: int):
 
 def _occurrences(ids: jax.Array, of: jax.Array):
     """For each value of ``of`` [B, M], where it occurs in ``ids`` [B, N]: (first,
-    last + 1, exact), exact when every position in between holds it too. A value
-    that does not occur gives (0, 0, True). One stable sort of ``ids``."""
-    n = ids.shape[1]
-    order = jnp.argsort(ids, axis=1, stable=True).astype(jnp.int32)
-    ordered = jnp.take_along_axis(ids, order, axis=1)
-    # Unrolled: a rolled search is a while loop, which on a GPU waits for the host
-    # between its steps (it cost more than the packed 8k forward itself).
-    def find(side):
-        return jax.vmap(lambda a, v: jnp.searchsorted(a, v, side=side, method="scan_unrolled")
-                        )(ordered, of).astype(jnp.int32)
-
-    left, right = find("left"), find("right")
-    count = right - left
-    # Stable: equal ids keep their positions' order, so the first and the last of
-    # a run of equal sorted ids are the first and the last occurrence.
-    first = jnp.take_along_axis(order, jnp.clip(left, 0, n - 1), axis=1)
-    last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, n - 1), axis=1)
-    found = count > 0
-    lo = jnp.where(found, first, 0)
-    hi = jnp.where(found, last + 1, 0)
-    return lo, hi, count == hi - lo
+    last + 1, exact), exact when every position in between holds it too; an empty
+    interval where it does not occur. Not exact also where ``of``'s value shares
+    its slot with another id (Note [Segment table]): the interval then holds both
+    ids' positions, which the kernels' id compare tells apart."""
+    b, n = ids.shape
+    t = 1 << max(n - 1, 0).bit_length()
+    pos = jnp.arange(n, dtype=jnp.int32)
+    starts = jnp.pad(ids[:, 1:] != ids[:, :-1], ((0, 0), (1, 0)), constant_values=True)
+    ends = jnp.pad(ids[:, 1:] != ids[:, :-1], ((0, 0), (0, 1)), constant_values=True)
+    low = jnp.iinfo(jnp.int32).min
+    # One scatter-max of (~first, last, ~smallest id, largest id, last run start)
+    # per slot, from the runs' ends only (the rest go out of bounds and are dropped):
+    # a handful of atomics per document, not one per position on the same address.
+    ups = jnp.stack([jnp.where(starts, ~pos, low), jnp.where(ends, pos, low), ~ids, ids,
+                     jnp.where(starts, pos, low)], axis=-1)
+    slot = jnp.where(starts | ends, ids & (t - 1), t)
+    table = jnp.full((b, t, 5), low, jnp.int32).at[
+        jnp.arange(b)[:, None], slot].max(ups, mode="drop")
+    entry = jnp.take_along_axis(table, (of & (t - 1))[..., None], axis=1)
+    first, last, id_min, id_max, last_start = (entry[..., i] for i in range(5))
+    first, id_min = ~first, ~id_min
+    alone = id_min == id_max
+    absent = alone & (id_min != of)
+    lo = jnp.where(absent, n, first)
+    hi = jnp.where(absent, 0, last + 1)
+    return lo, hi, alone & (last_start == first)
 
 
 def _pack(lo, hi, exact, valid):
