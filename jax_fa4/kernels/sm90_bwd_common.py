@@ -251,6 +251,12 @@ class Sm90BwdCommon(BwdMainCall):
                 smem[name] = field.get_tensor(layout)
         # Everything above only set up SMEM and barriers: no global memory yet.
         pdl_start(self.use_pdl)
+        if const_expr(self.masked):
+            # Note [K and V first]: masked, the walk's bounds come from the keys'
+            # intervals, a global load and a reduction away; K and V go first, so
+            # that their transfer hides that latency rather than follow it.
+            if warp_idx == 0:
+                self.load_kv(coords, loads, tma_loads, smem, pipe_kv, True)
         work, full = self.work_list(coords, mQ, mK, masks[0])
         cta = Cta(coords=coords, work=work, masks=masks, full=full, seqlen_k=mK.shape[0],
                   storage=storage, smem=smem, layouts=by_name, pipe_qdo=pipe_qdo,
@@ -315,22 +321,21 @@ class Sm90BwdCommon(BwdMainCall):
     def load(self, cta, loads, tma_loads):
         """Warp 0: K and V of this block once, then Q, dO and their row statistics
         per work item (one mbarrier transaction per item)."""
-        mQ, mK, mV, mdO, mLSElog2, mDpsum = loads
-        tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum = tma_loads
+        mQ, _, _, mdO, mLSElog2, mDpsum = loads
+        tma_Q, _, _, tma_dO, tma_LSE, tma_Dpsum = tma_loads
         n_block, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
         smem, pipe_qdo, pipe_kv = cta.smem, cta.pipe_qdo, cta.pipe_kv
-        tm, tn = self.tile_m, self.tile_n
+        tm = self.tile_m
         d, dv = self.head_dim, self.head_dim_v
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (n_block, 0))
-        tKsK, tKgK = tma_tile_partition(tma_K, smem["sK"], gK)
-        tVsV, tVgV = tma_tile_partition(tma_V, smem["sV"], gV)
-        if num_iters > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_kv.producer_acquire(kv_state)
-            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        if const_expr(self.masked):
+            if num_iters == 0:
+                # Note [K and V first]: loaded for a block with no work, they must
+                # land before the CTA exits.
+                pipe_kv.consumer_wait(
+                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        else:
+            self.load_kv(cta.coords, loads, tma_loads, smem, pipe_kv, num_iters > 0)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.stages_qdo)
@@ -352,6 +357,25 @@ class Sm90BwdCommon(BwdMainCall):
             cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
             cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
             state.advance()
+
+    @cute.jit
+    def load_kv(self, coords, loads, tma_loads, smem, pipe_kv, issue):
+        """Warp 0: the TMA loads of this block's K and V tiles (one transaction), if
+        ``issue``."""
+        _, mK, mV = loads[:3]
+        _, tma_K, tma_V = tma_loads[:3]
+        n_block, head_kv, batch = coords
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                             (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v),
+                             (n_block, 0))
+        tKsK, tKgK = tma_tile_partition(tma_K, smem["sK"], gK)
+        tVsV, tVgV = tma_tile_partition(tma_V, smem["sV"], gV)
+        if issue:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
     @cute.jit
     def mma_start(self, pipe_kv, num_iters):
