@@ -48,8 +48,6 @@ def masked_kernel_error(arch: str, kind: str, config: AttentionConfig) -> str | 
     if (arch, kind) not in MASKED_KERNELS:
         direction = "forward" if kind == "fwd" else "backward"
         return f"no {arch} {direction} kernel takes {what} yet"
-    if kind == "bwd" and config.deterministic:
-        return f"no deterministic {arch} backward kernel takes {what} yet"
     return None
 
 
