@@ -226,8 +226,9 @@ def attention(
       deterministic: make the backward bitwise reproducible. The default
         backward adds the dQ partials of its key blocks in whatever order they
         finish; this one adds them in a fixed key-block order (head dims 64 and
-        128 on sm_90a, and sm_100a: compiled, not run on hardware; 0.81-0.98x the
-        default backward's speed on the H200). Where no deterministic kernel
+        128 on sm_90a, and sm_100a: compiled, not run on hardware; masks
+        included; 0.81-0.98x the default backward's speed on the H200 without
+        masks). Where no deterministic kernel
         exists the backward runs the reference path (logged once), or raises
         with ``implementation="cute"``. The forward is deterministic either way.
 

@@ -200,16 +200,19 @@ def exp2s_between_waits(sass: str) -> list[int]:
 
 
 def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool = False,
-                 shape=(2, 113, 203, 4, 1), compile_options: str | None = None) -> str:
+                 shape=(2, 113, 203, 4, 1), compile_options: str | None = None,
+                 deterministic: bool = False) -> str:
     """Lower a masked kernel of ``arch`` (``direction`` "fwd" or "bwd"), which takes
     the key (query) intervals after its other operands, and with ``segments`` the
-    ids, as the FFI layer calls it (rules/kernels_cuda.py)."""
+    ids, as the FFI layer calls it (rules/kernels_cuda.py). ``deterministic`` (a
+    backward): the deterministic kernel, which also takes the semaphores after
+    mdQaccum (aliased to a fourth output) and the key blocks' walks last."""
     import cutlass
 
-    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic
     from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
     from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
-    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
     from jax_fa4.kernels.sm100_fwd import FlashFwdSm100
 
     b, sq, sk, hq, hkv = shape
@@ -231,15 +234,22 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
         ins = ins + (sds((b, sq, 2), jnp.int32),)
     else:
         ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
-        ins = ins + (sds((b, sk, 2), jnp.int32),)
         if arch == "sm_90a":
             cls = FlashBwdSm90Wide if head_dim == 256 else FlashBwdSm90
+            if deterministic:
+                cls = FlashBwdSm90Deterministic
             kw["use_pdl"] = True
         else:
-            cls = FlashBwdSm100
+            cls = FlashBwdSm100Deterministic if deterministic else FlashBwdSm100
 
         def make():
             return cls(cute_dtype, head_dim, head_dim, False, head_dim**-0.5, **kw)
+        if deterministic:
+            sem = sds((b, hq, -(-sq // make().tile_m)), jnp.int32)
+            ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
+        ins = ins + (sds((b, sk, 2), jnp.int32),)
     if segments:
         ins = ins + (sds((b, sq), jnp.int32), sds((b, sk), jnp.int32))
+    if deterministic:
+        ins = ins + (sds((b, -(-sk // make().tile_n), 2), jnp.int32),)
     return lower(make, arch, ins, outs, aliases, compile_options)

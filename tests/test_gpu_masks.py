@@ -1,7 +1,8 @@
 """The masked kernels (key intervals, rules/ranges.py) on an sm_90a GPU against the
 f32 reference: causal modes, windows, lengths, segment ids (contiguous or not) and
 their compositions, with GQA, odd lengths and rows that see no key (out 0, lse
--inf, zero gradients, no NaN). Outputs are poisoned; the 2x rule as in test_gpu.py.
+-inf, zero gradients, no NaN), and the deterministic backward with masks (bitwise
+equal gradients over two runs). Outputs are poisoned; the 2x rule as in test_gpu.py.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def _ref(q, k, v, kw, dtype):
         compute_dtype=dtype)
 
 
-def _kernel(q, k, v, kw):
+def _kernel(q, k, v, kw, deterministic=False):
     return jax_fa4.attention(q, k, v, return_lse=True, implementation="cute",
+                             deterministic=deterministic,
                              **{n: jnp.asarray(x) if isinstance(x, np.ndarray) else x
                                 for n, x in kw.items()})
 
@@ -94,10 +96,9 @@ CASES = ([(s, 128) for s in SHAPES[1:]] + [(SHAPES[1], 64), (SHAPES[0], 256)])
 NAMES = list(_cases(1, 8, 8))
 
 
-@pytest.mark.parametrize("shape,d", CASES, ids=lambda c: "x".join(map(str, c))
-                         if isinstance(c, tuple) else f"d{c}")
-@pytest.mark.parametrize("name", NAMES)
-def test_masked_forward_and_backward(name, shape, d):
+def _check_against_reference(name, shape, d, deterministic=False):
+    """The kernels' out, lse and gradients of mask ``name`` against the f32
+    reference (2x rule); returns the jitted step and its gradients."""
     b, sq, sk, hq, hkv = shape
     dtype = jnp.float16 if name == "window" else jnp.bfloat16
     kw = _cases(b, sq, sk)[name]
@@ -110,7 +111,7 @@ def test_masked_forward_and_backward(name, shape, d):
         (out, lse), pullback = jax.vjp(f, q, k, v)
         return (out, lse), pullback((dout, dlse))
 
-    fn = jax.jit(lambda: run(functools.partial(_kernel, kw=kw)))
+    fn = jax.jit(lambda: run(functools.partial(_kernel, kw=kw, deterministic=deterministic)))
     with poison_outputs():
         assert fn.lower().as_text().count(CALL) == 4
         (out, lse), grads = fn()
@@ -128,6 +129,34 @@ def test_masked_forward_and_backward(name, shape, d):
     for n, g, h, lw in zip(("dq", "dk", "dv"), grads, hi_grads, lo_grads):
         assert g.dtype == dtype
         assert_close_2x(g, h, lw, atol=2e-3, name=n)
+    return fn, grads
+
+
+@pytest.mark.parametrize("shape,d", CASES, ids=lambda c: "x".join(map(str, c))
+                         if isinstance(c, tuple) else f"d{c}")
+@pytest.mark.parametrize("name", NAMES)
+def test_masked_forward_and_backward(name, shape, d):
+    _check_against_reference(name, shape, d)
+
+
+# The deterministic backward: six key blocks reach most query blocks, so the order
+# of the dQ adds matters; GQA; rows without keys (q_lengths_empty).
+DET_SHAPE = (2, 300, 700, 4, 2)
+DET_CASES = [("window", 128), ("q_lengths_empty", 128), ("segments_scattered", 128),
+             ("bottom_right_lengths_window", 128), ("causal_kv_lengths", 64),
+             ("segments_causal", 64), ("window_causal", 64), ("everything", 64)]
+
+
+@pytest.mark.parametrize("name,d", DET_CASES)
+def test_deterministic_masked_backward(name, d):
+    """deterministic=True with masks (Note [Masked dQ order]): the 2x rule as the
+    default backward, and the gradients bitwise equal over two runs."""
+    fn, grads = _check_against_reference(name, DET_SHAPE, d, deterministic=True)
+    with poison_outputs():
+        _, again = fn()
+    for n, g, h in zip(("dq", "dk", "dv"), grads, again):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16),
+                                      np.asarray(h).view(np.uint16), err_msg=n)
 
 
 def test_rows_without_keys_are_zero_with_zero_gradients():

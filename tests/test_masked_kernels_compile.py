@@ -2,9 +2,11 @@
 kernels (forward + the three backward kernels) through the public API, the causal
 modes, windows and lengths share one compiled kernel per direction and head dim
 (the intervals are data, rules/ranges.py), and the builds hold what keeps them
-fast: no local memory, the interval test as one unsigned compare. Masks stay on
-the logged reference path where no kernel takes them (the deterministic
-backward). The sm_100a kernels are compiled, not run on hardware."""
+fast: no local memory, the interval test as one unsigned compare. The
+deterministic backward takes masks too (its walks and ordered dQ adds, Note
+[Masked dQ order]); masks stay on the logged reference path where no kernel takes
+them (hdim 256 deterministic). The sm_100a kernels are compiled, not run on
+hardware."""
 
 from __future__ import annotations
 
@@ -75,16 +77,59 @@ def test_masks_lower_to_the_sm90_kernels_one_build_for_all(monkeypatch, d):
     assert not next(iter(fwd)).causal  # causal travels in the intervals
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_deterministic_masks_take_the_logged_reference_backward(monkeypatch, caplog, arch):
+@pytest.mark.parametrize("arch,d", [("sm_90a", 64), ("sm_90a", 128), ("sm_100a", 128)])
+def test_deterministic_masks_lower_to_the_kernel(monkeypatch, arch, d):
+    """deterministic=True with masks: four custom calls, the main one the masked
+    deterministic kernel (kind "bwd_det"), which takes after mdQaccum one semaphore
+    per query block of its masked tiles, then the intervals, the segment ids, and
+    last each key block's walk (B, ceil(Sk / tile_n), 2). sm_100a: compiled, not
+    run on hardware."""
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
-    why = f"no deterministic {arch} backward kernel takes window"
+    from jax_fa4.rules import kernels_cuda
+    from jax_fa4.rules.plan import bwd_plan
+
+    calls = []
+    real = kernels_cuda.kernel_call
+
+    def call(key, build, inputs, *args, **kwargs):
+        calls.append((key, [(x.shape, x.dtype) for x in inputs]))
+        return real(key, build, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
+    masks = dict(causal="bottom_right", window=(40, None), kv_lengths=True,
+                 q_segment_ids=True, kv_segment_ids=True)
+    assert _lower(_step(deterministic=True, **masks), d).count(CALL) == 4
+    assert [k.kind for k, _ in calls] == ["fwd", "bwd_pre", "bwd_det", "bwd_post"]
+    key, inputs = calls[2]
+    assert key.masked and key.segments and not key.causal
+    plan = bwd_plan(arch, "bfloat16", d, d, False, d**-0.5, True, True, True, True)
+    tile_n, tile_m = plan.walk_tiles
+    assert plan.sem_tile_m == tile_m
+    if arch == "sm_90a":
+        from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+        assert tile_m == bwd_tiles(d, False, masked=True).tile_m
+    i32 = jnp.dtype(jnp.int32)
+    assert inputs[7:] == [((B, HQ, -(-SQ // tile_m)), i32), ((B, SK, 2), i32),
+                          ((B, SQ), i32), ((B, SK), i32), ((B, -(-SK // tile_n), 2), i32)]
+    assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, True, True).walk_tiles is None
+    assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, False, True, True).walk_tiles is None
+
+
+def test_deterministic_masks_at_hdim_256_take_the_logged_reference_backward(monkeypatch,
+                                                                            caplog):
+    """hdim 256 has no deterministic backward, masked or not."""
+    from jax_fa4.rules import primitives
+
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    why = "no deterministic backward kernel for head dims (256, 256)"
+    primitives._logged.clear()  # logged once per process: maybe by an earlier test
     with caplog.at_level(logging.INFO, logger="jax_fa4"):
-        text = _lower(_step(implementation=None, window=(8, 0), deterministic=True), 64)
+        text = _lower(_step(implementation=None, window=(8, 0), deterministic=True), 256)
     assert text.count(CALL) == 1  # the forward kernel; the backward is pure JAX
     assert any(why in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match=why):
-        _lower(_step(window=(8, 0), deterministic=True), 64)
+    with pytest.raises(ValueError, match="no deterministic backward"):
+        _lower(_step(window=(8, 0), deterministic=True), 256)
 
 
 def test_masks_lower_to_the_sm100_kernels(monkeypatch):
@@ -130,3 +175,46 @@ def test_masked_builds(tmp_path, arch, direction, d, segments):
     elif not segments:
         # The sm100 causal forward's softmax warps already spill a little (19).
         assert local <= 40, local
+
+
+# (arch, head dim, segment ids): the deterministic masked builds read below.
+DET_BUILDS = [("sm_90a", 64, True), ("sm_90a", 128, False), ("sm_100a", 128, False)]
+
+
+@pytest.mark.parametrize("arch,d,segments", DET_BUILDS,
+                         ids=["-".join(map(str, b)) for b in DET_BUILDS])
+def test_deterministic_masked_builds(tmp_path, arch, d, segments):
+    """The deterministic masked backward (Note [Masked dQ order]): its dQ adds wait
+    for their rank with an acquire spin, land, then release the next key block,
+    in that order; the rank is one warp reduction (redux.sync) of the lanes'
+    counts; the sm90 builds use no local memory (the dQ warp's 24 registers hold
+    the rank's loop) and read nothing global before the PDL wait, the sm100 one
+    hardly any local memory (as its plain deterministic build). sm_100a: compiled,
+    not run on hardware."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from kernel_compile import (
+        assert_pdl_chained,
+        assert_semaphore_order,
+        dump_options,
+        dumped_sass,
+        lower_masked,
+    )
+
+    lower_masked(arch, "bwd", jnp.bfloat16, d, segments, deterministic=True,
+                 compile_options=dump_options(pathlib.Path(tmp_path)))
+    sass = dumped_sass(pathlib.Path(tmp_path))
+    lines = [ln.strip() for ln in sass.splitlines()]
+    assert_semaphore_order(lines, r"UBLKRED\.G\.S\.ADD\.F32" if arch == "sm_90a"
+                           else r"UTMAREDG")
+    assert re.search(r"\bREDUX\.SUM\.S32\b", sass), "no warp reduction of the rank"
+    spin = [i for i, ln in enumerate(lines) if re.search(r"LDG\.E\.STRONG\.GPU", ln)]
+    assert any(re.search(r"\bBRA\b", ln) for ln in lines[spin[-1]:spin[-1] + 8]), "no spin"
+    local = len(re.findall(r"\b(LDL|STL)\b", sass))
+    if arch == "sm_90a":
+        assert local == 0
+        assert_pdl_chained(sass)  # the walks too are read after the preprocess
+    else:
+        assert local <= 16, local

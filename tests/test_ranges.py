@@ -2,7 +2,10 @@
 test_masks.py turned into per-query key intervals and per-key query intervals
 matches the documented visibility rule element for element, and the block
 reduction the kernels run (mirrored by ``block_ranges``) never skips a visible
-element nor leaves one unmasked."""
+element nor leaves one unmasked. The deterministic masked backward's key-block
+walks (``key_block_ranges``) and the order of its dQ adds (Note [Masked dQ order]
+in kernels/dq_layout.py) are checked on these masks and random ones: every add
+once, in a fixed order, and no deadlock under any residency."""
 
 from __future__ import annotations
 
@@ -12,9 +15,17 @@ import pytest
 from test_masks import CASES, visible_np
 
 from jax_fa4.config import AttentionConfig
+from jax_fa4.kernels.dq_layout import det_key_block, det_masked_add_rank
 from jax_fa4.kernels.mask import edge_walk
 from jax_fa4.reference import Masks
-from jax_fa4.rules.ranges import EMPTY_LO, block_ranges, decode, key_ranges, query_ranges
+from jax_fa4.rules.ranges import (
+    EMPTY_LO,
+    block_ranges,
+    decode,
+    key_block_ranges,
+    key_ranges,
+    query_ranges,
+)
 
 B, SQ, SK = 3, 37, 45
 RNG = np.random.default_rng(0)
@@ -141,3 +152,134 @@ def test_segment_intervals_of_any_ids(ids, exact, causal):
     alone = True if exact else np.isin(seg, [5, 2])
     got = decode(np.asarray(q_ranges))[2]
     assert np.array_equal(got, np.broadcast_to(alone, got.shape)), kw
+
+
+def _random_masks(seed: int) -> dict:
+    """Mask keyword arguments drawn at random: a causal mode, a window, lengths, and
+    segment ids contiguous or not, each present or not."""
+    rng = np.random.default_rng(seed)
+    kw = {}
+    causal = [False, True, "bottom_right"][rng.integers(3)]
+    if causal:
+        kw["causal"] = causal
+    if rng.random() < 0.5:
+        kw["window"] = tuple(None if rng.random() < 0.3 else int(rng.integers(0, 20))
+                             for _ in range(2))
+    if rng.random() < 0.5:
+        kw["q_lengths"] = rng.integers(0, SQ + 3, B).astype(np.int32)
+    if rng.random() < 0.5:
+        kw["kv_lengths"] = rng.integers(0, SK + 3, B).astype(np.int32)
+    if rng.random() < 0.5:
+        ids = rng.integers(0, 4, (B, SQ + SK)).astype(np.int32)
+        if rng.random() < 0.5:  # contiguous documents
+            ids = np.sort(ids, axis=1)
+        kw["q_segment_ids"], kw["kv_segment_ids"] = ids[:, :SQ], ids[:, SQ:]
+    return kw
+
+
+# The masks of test_masks.py and the scattered ones above, then random ones.
+WALK_CASES = [ALL[n] for n in ALL] + [_random_masks(s) for s in range(24)]
+# (keys, queries) per block: more than 32 key blocks (two rounds of the rank's
+# lanes), blocks of unequal sizes, and a block wider than the sequence.
+WALK_TILES = [(1, 3), (4, 8), (7, 5), (64, 16)]
+
+
+def _walks(kw, tile_n, tile_m):
+    config, masks, vis = _setup(kw)
+    ranges = key_ranges(config, SQ, SK, masks, B)
+    return np.asarray(ranges), np.asarray(key_block_ranges(ranges, tile_n, tile_m)), vis
+
+
+@pytest.mark.parametrize("tile_n,tile_m", WALK_TILES)
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+def test_key_block_walks_are_the_kernels_reduction(case, tile_n, tile_m):
+    """``key_block_ranges`` (XLA) is ``block_ranges``'s [first, end) of the key
+    intervals (the kernels' ``BlockRange``), with (0, 0) where a block sees no
+    query, and every visible (query, key) pair lies in its key block's walk."""
+    ranges, walks, vis = _walks(WALK_CASES[case], tile_n, tile_m)
+    assert walks.shape == (B, -(-SK // tile_n), 2) and walks.dtype == np.int32
+    for b in range(B):
+        want = [(first, end) if end > first else (0, 0)
+                for first, end, *_ in block_ranges(ranges[b], tile_n, tile_m, False)]
+        assert [tuple(w) for w in walks[b]] == want, b
+    for b in range(B):
+        queries, keys = np.nonzero(vis[b])
+        first, end = walks[b, keys // tile_n, 0], walks[b, keys // tile_n, 1]
+        assert np.all((first <= queries // tile_m) & (queries // tile_m < end)), b
+
+
+def _lane_rank(walks, n_block: int, m_block: int) -> int:
+    """``masked_add_rank``'s loop (kernels/cute_utils.py) on the host: lane l of a
+    warp tests key blocks n_block + 1 + l + 32 k, clamped to the last one and
+    dropped past it; the warp's counts are summed."""
+    num_n = len(walks)
+    count = [0] * 32
+    for k in range((num_n - 1 - n_block + 31) // 32):
+        for lane in range(32):
+            n = n_block + 1 + k * 32 + lane
+            first, end = walks[min(n, num_n - 1)]
+            count[lane] += int(n < num_n and first <= m_block < end)
+    return sum(count)
+
+
+@pytest.mark.parametrize("tile_n,tile_m", WALK_TILES)
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+def test_masked_ranks_order_every_add_once(case, tile_n, tile_m):
+    """Note [Masked dQ order]: the key blocks whose walks hold a query block take
+    the ranks 0, 1, ... of its sum once each, in descending key-block order, so
+    every spin ends and every partial is added once; the kernels' lane loop
+    computes the same rank."""
+    _, walks, _ = _walks(WALK_CASES[case], tile_n, tile_m)
+    num_m = -(-SQ // tile_m)
+    for b in range(B):
+        for m in range(num_m):
+            visitors = [n for n in range(len(walks[b])) if walks[b, n, 0] <= m < walks[b, n, 1]]
+            ranks = [det_masked_add_rank(walks[b], n, m) for n in visitors]
+            assert ranks == list(range(len(visitors)))[::-1], (b, m)
+            assert ranks == [_lane_rank(walks[b], n, m) for n in visitors], (b, m)
+
+
+def _run_protocol(walks, group: int, slots: int):
+    """Every CTA of one (batch entry, kv head) under the semaphore protocol, as a
+    GPU would run them: CTAs start in launch order (``det_key_block``, descending)
+    as ``slots`` SMs free up, each walks its items (query head outer, query block
+    inner, as ``work_item``) and at each waits until the query block's semaphore
+    equals its rank, then adds and increments it. Returns the order of the adds per
+    (head, query block); raises if the CTAs deadlock."""
+    num_n = len(walks)
+    launch = [det_key_block(x, num_n, True) for x in range(num_n)]
+    items = {n: [(h, m) for h in range(group) for m in range(*walks[n])] for n in range(num_n)}
+    sem, adds, step = {}, {}, dict.fromkeys(range(num_n), 0)
+    waiting, resident = list(launch), []
+    while waiting or resident:
+        while waiting and len(resident) < slots:
+            resident.append(waiting.pop(0))
+        moved = False
+        for n in list(resident):
+            if step[n] == len(items[n]):
+                resident.remove(n)
+                moved = True
+                continue
+            h, m = items[n][step[n]]
+            if sem.get((h, m), 0) == det_masked_add_rank(walks, n, m):
+                sem[(h, m)] = sem.get((h, m), 0) + 1
+                adds.setdefault((h, m), []).append(n)
+                step[n] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"deadlock: resident {resident}, waiting {waiting}")
+    return adds
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+def test_masked_order_cannot_deadlock(case, slots):
+    """The launch order and the ranks together: with as few as one SM, every CTA
+    finishes and every query block sums its partials in descending key-block
+    order, each visiting block once."""
+    _, walks, _ = _walks(WALK_CASES[case], 4, 8)
+    for b in range(B):
+        adds = _run_protocol(walks[b], group=2, slots=slots)
+        for (h, m), order in adds.items():
+            visitors = [n for n in range(len(walks[b])) if walks[b, n, 0] <= m < walks[b, n, 1]]
+            assert order == visitors[::-1], (b, h, m)

@@ -267,7 +267,9 @@ class BwdMainCall:
     mdQsem, (B, Hq, ceil(Sq / tile_m)) int32 and zero at launch, one semaphore per
     query block; a ``masked`` one each key's query interval, (B, Sk, 2) int32
     (rules/ranges.py), passed to ``launch`` as mRanges after mdQsem (None if none);
-    one with ``segments`` the query and key segment ids, (B, Sq) and (B, Sk)."""
+    one with ``segments`` the query and key segment ids, (B, Sq) and (B, Sk); one
+    both deterministic and masked each key block's walk, (B, ceil(Sk / tile_n), 2)
+    int32 (``key_block_ranges``), passed after them as mWalks."""
 
     takes_dq_semaphores = False
     masked = False
@@ -293,6 +295,11 @@ class BwdMainCall:
             if const_expr(mdQsem.element_type != Int32):
                 raise TypeError("the dQ semaphores must be int32")
         masks = _pop_mask_operands(self, rest)
+        if const_expr(self.takes_dq_semaphores and self.masked):
+            mWalks = rest.pop(0)
+            if const_expr(mWalks.element_type != Int32):
+                raise TypeError("the key blocks' walks must be int32")
+            masks = masks + (mWalks,)
         mdK, mdV = rest
         if const_expr(self.takes_dq_semaphores):
             self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,
@@ -341,6 +348,25 @@ def semaphore_wait(ptr: cute.Pointer, value) -> None:
     while done != value:
         done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
     cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def masked_add_rank(mWalks: cute.Tensor, batch, n_block, m_block) -> Int32:
+    """Called by a whole warp (every lane gets the result): the rank of key block
+    ``n_block``'s dQ add in query block ``m_block``'s sum under masks, the number
+    of key blocks above it whose walk holds m_block (Note [Masked dQ order] in
+    dq_layout.py; ``det_masked_add_rank`` on the host). mWalks: (B, num_n, 2) int32,
+    ``[first, end)`` per key block. Lane l tests blocks n_block + 1 + l + 32 k, and
+    one warp reduction (redux.sync) sums the lanes' counts."""
+    lane = cute.arch.lane_idx()
+    num_n = mWalks.shape[1]
+    count = Int32(0)
+    for k in cutlass.range((num_n - n_block + 30) // 32, unroll=1):
+        n = n_block + 1 + k * 32 + lane
+        at = cutlass.min(n, num_n - 1)
+        visits = (mWalks[batch, at, 0] <= m_block) & (m_block < mWalks[batch, at, 1])
+        count = count + cutlass.select_((n < num_n) & visits, Int32(1), Int32(0))
+    return cute.arch.warp_redux_sync(count, "add")
 
 
 @cute.jit

@@ -27,7 +27,26 @@ wg_m = tile_m // 64 and N = D * wg_m / num_wg (the tiled MMA's atom layout,
 column-major over (wg_m, wg_n)).
 
 The deterministic backwards (sm90 and sm100) fix the order in which a query block's
-dQ partials are added: ``det_key_block`` and ``det_add_rank`` below.
+dQ partials are added: ``det_key_block`` and ``det_add_rank`` below, and with masks
+Note [Masked dQ order].
+
+Note [Masked dQ order]
+~~~~~~~~~~~~~~~~~~~~~~
+With masks (the key intervals of rules/ranges.py) which key blocks reach a query
+block is data. The lowering reduces the intervals once, in XLA, to each key block's
+walk, the query blocks [first, end) it visits (``key_block_ranges``), and the kernel
+walks exactly those bounds. Key block n adds to query block m at rank
+
+    rank = #{n' > n : first(n') <= m < end(n')},
+
+the number of key blocks above it that visit m (``det_masked_add_rank``): the key
+blocks that visit m take ranks 0, 1, ... in descending order, every CTA computing
+them from the same array. Descending because the masks that bound a walk (causal,
+windows, documents) start the walks of higher key blocks at later query blocks:
+they reach m in fewer steps of their walk, so the blocks a CTA waits for are
+ahead of it, as in the plain causal order. The grid runs the key blocks in reverse
+(``det_key_block`` with ``descending``), so a CTA waits only on CTAs launched
+before it, which no CTA launched later can hold up: the waits cannot deadlock.
 """
 
 from __future__ import annotations
@@ -71,10 +90,11 @@ def unflatten_dq_accum(acc, tile_m: int, num_wg: int = 2):
     return blocks[..., inverse].reshape(b, h, s_pad, d)
 
 
-def det_key_block(block, num_n_blocks, causal: bool):
+def det_key_block(block, num_n_blocks, descending: bool):
     """The key block that CTA ``block`` (blockIdx.x) of the deterministic backward
-    runs: the block itself, or causal, in reverse (see ``det_add_rank``)."""
-    return num_n_blocks - 1 - block if causal else block
+    runs: the block itself, or ``descending`` (causal, and every masked kernel), in
+    reverse (see ``det_add_rank``, Note [Masked dQ order])."""
+    return num_n_blocks - 1 - block if descending else block
 
 
 def det_add_rank(m_block, n_block, num_n_blocks, tile_m: int, tile_n: int, causal: bool,
@@ -93,4 +113,14 @@ def det_add_rank(m_block, n_block, num_n_blocks, tile_m: int, tile_n: int, causa
     return last - n_block
 
 
-__all__ = ["det_add_rank", "det_key_block", "flat_dq_rowcol", "unflatten_dq_accum"]
+def det_masked_add_rank(walks, n_block: int, m_block: int) -> int:
+    """The rank of key block ``n_block``'s dQ partial in query block ``m_block``'s sum
+    in the deterministic masked backward (Note [Masked dQ order]), on the host
+    (tests; the kernels' is ``cute_utils.masked_add_rank``). walks: ``[num_n, 2]``,
+    one batch entry of ``key_block_ranges``."""
+    above = np.asarray(walks)[n_block + 1:]
+    return int(((above[:, 0] <= m_block) & (m_block < above[:, 1])).sum())
+
+
+__all__ = ["det_add_rank", "det_key_block", "det_masked_add_rank", "flat_dq_rowcol",
+           "unflatten_dq_accum"]

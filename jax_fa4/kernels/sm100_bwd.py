@@ -73,6 +73,7 @@ from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
     check_bwd_operand_dtypes,
     init_bwd_kernel,
+    masked_add_rank,
     permute,
     semaphore_release_after_bulk,
     semaphore_wait,
@@ -199,8 +200,6 @@ class FlashBwdSm100(BwdMainCall):
         self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
                         softmax_scale)
-        if masked and deterministic:
-            raise ValueError("no deterministic backward takes intervals")
         set_mask_flags(self, causal, masked, segments)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
@@ -256,8 +255,9 @@ class FlashBwdSm100(BwdMainCall):
                mdQsem: cute.Tensor | None = None, *masks: cute.Tensor):
         """The host side of ``BwdMainCall.__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m))
         int32, zero at launch, with the deterministic backward, else None; masks:
-        with ``masked``, the keys' query intervals (and the segment ids)."""
-        masks = tuple(masks) + (None,) * (3 - len(masks))
+        with ``masked``, the keys' query intervals (and the segment ids), and
+        deterministic, the key blocks' walks."""
+        masks = tuple(masks) + (None,) * (4 - len(masks))
         if const_expr(self.deterministic and mdQsem is None):
             raise TypeError("the deterministic backward takes the dQ semaphores: call "
                             "FlashBwdSm100Deterministic")
@@ -347,7 +347,7 @@ class FlashBwdSm100(BwdMainCall):
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mdQsem, mLSElog2, mDpsum, mdK, mdV,
-            masks[0], masks[1], masks[2], tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
+            masks[0], masks[1], masks[2], masks[3], tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
             sQ_layout, sQt_layout, sdO_layout, sdOt_layout, sK_layout, sKt_layout,
             sV_layout, sPt_layout, sdSt_layout, sdS_layout, sdQ_layout,
             mma_s, mma_dp, mma_dv, mma_dk, mma_dq, bytes_qdo, bytes_kv, SharedStorage,
@@ -376,6 +376,8 @@ class FlashBwdSm100(BwdMainCall):
         mRanges: cute.Tensor | None,  # (B, Sk, 2) int32 query intervals (masked only)
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
+        mWalks: cute.Tensor | None,  # (B, num_n, 2) int32 key-block walks (masked
+        # deterministic only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -408,8 +410,9 @@ class FlashBwdSm100(BwdMainCall):
         n_block, head_kv, batch = cute.arch.block_idx()
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         if const_expr(self.deterministic):
-            # Causal, key blocks launch last first (det_key_block, det_add_rank).
-            n_block = det_key_block(n_block, num_n_blocks, self.causal)
+            # Causal or masked, key blocks launch last first (det_key_block,
+            # det_add_rank, Note [Masked dQ order]).
+            n_block = det_key_block(n_block, num_n_blocks, self.causal or self.masked)
 
         if warp_idx == _LOAD_WARP:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_dQ):
@@ -484,6 +487,10 @@ class FlashBwdSm100(BwdMainCall):
             # Every warp reduces the block's keys' intervals itself (BlockRange).
             blocks = BlockRange(mRanges, tn, tm, n_block, batch, seqlen_k, at_least_one=False)
             m_block_min, m_block_max = blocks.first, blocks.end
+            if const_expr(self.deterministic):
+                # The walk the dQ ranks count (Note [Masked dQ order]).
+                m_block_min = cute.arch.make_warp_uniform(mWalks[batch, n_block, 0])
+                m_block_max = cute.arch.make_warp_uniform(mWalks[batch, n_block, 1])
             masks = (mRanges, mQSeg, mKSeg, blocks.full_first, blocks.full_end, seqlen_q)
         elif const_expr(self.causal):
             m_block_min = cutlass.min(n_block * tn // tm, m_block_max)
@@ -527,7 +534,7 @@ class FlashBwdSm100(BwdMainCall):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.reduce_dq(mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
                            n_block, num_n_blocks, head_kv, batch, group_size, m_block_min,
-                           num_m, num_iters)
+                           num_m, num_iters, mWalks)
             tmem_bar.arrive()
 
     # ------------------------------------------------------------------ load warp
@@ -916,15 +923,16 @@ class FlashBwdSm100(BwdMainCall):
     @cute.jit
     def reduce_dq(self, mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
                   n_block, num_n_blocks, head_kv, batch, group_size, m_block_min, num_m,
-                  num_iters):
+                  num_iters, mWalks=None):
         """Warps 0-3: per work item, dQ (TMEM, lane = query row) in dq_cols-column
         chunks -> SMEM staging tile -> TMA reduce-add into mdQaccum (fp32).
 
         Deterministic: before the work item's first reduce the leader spins (acquire
         loads) until the query block's semaphore reaches this key block's rank
-        (``det_add_rank``); after its last reduce it waits for all of them to land
-        and releases the next key block (fence, GPU-scope release increment), as
-        the sm90 kernel's dQ warp does."""
+        (``det_add_rank``; masked, ``masked_add_rank`` over the key blocks' walks
+        ``mWalks``); after its last reduce it waits for all of them to land and
+        releases the next key block (fence, GPU-scope release increment), as the
+        sm90 kernel's dQ warp does."""
         tm, d = self.tile_m, self.head_dim
         ncol, nstage = self.tiles.dq_cols, self.tiles.dq_stages
         nchunk = d // ncol
@@ -950,6 +958,10 @@ class FlashBwdSm100(BwdMainCall):
             if const_expr(self.deterministic):
                 sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
                                                          mdQsem.layout)
+                if const_expr(self.masked):
+                    # Every reduce warp counts (a warp-wide reduction); the leader
+                    # waits. Counted before dQ is read: the loads overlap the MMAs.
+                    walk_rank = masked_add_rank(mWalks, batch, n_block, m_block)
             pipe_dq.consumer_wait(dq_state)
             for c in cutlass.range_constexpr(nchunk):
                 stage = c % nstage
@@ -976,7 +988,9 @@ class FlashBwdSm100(BwdMainCall):
                 cute.arch.fence_view_async_shared()
                 reduce_bar.arrive_and_wait()
                 if is_leader:
-                    if const_expr(self.deterministic and c == 0):
+                    if const_expr(self.deterministic and self.masked and c == 0):
+                        semaphore_wait(sem_ptr, walk_rank)  # the reduces come after it
+                    elif const_expr(self.deterministic and c == 0):
                         rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
                                             self.causal, cutlass.min)
                         semaphore_wait(sem_ptr, rank)  # the reduces come after it
@@ -995,11 +1009,13 @@ class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
     """The deterministic sm100 backward: every query block sums its dQ partials in
     a fixed key-block order (``det_add_rank``), so dQ is bitwise reproducible. The
     call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m))
-    int32, zero at launch (one semaphore per query block). Compiled for sm_100a,
-    not run on hardware."""
+    int32, zero at launch (one semaphore per query block). ``masked``: it also takes
+    the key blocks' walks after the intervals (and ids), walks them, and ranks its
+    adds by them (Note [Masked dQ order] in dq_layout.py). Compiled for sm_100a,
+    not run on hardware (with masks or without)."""
 
     def __init__(self, dtype, head_dim, head_dim_v=None, causal=False, softmax_scale=None,
-                 tiles=None):
+                 tiles=None, masked=False, segments=False):
         if tiles is None:
             tiles = bwd_tiles(head_dim, causal)
             if head_dim > 64:
@@ -1008,4 +1024,4 @@ class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
                 # 72 + 120 = 512); at 64 they spilled.
                 tiles = dataclasses.replace(tiles, regs_reduce=tiles.regs_reduce + 8)
         super().__init__(dtype, head_dim, head_dim_v, causal, softmax_scale, tiles,
-                         deterministic=True)
+                         deterministic=True, masked=masked, segments=segments)

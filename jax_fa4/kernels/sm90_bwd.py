@@ -80,6 +80,7 @@ from jax_fa4.kernels.cute_utils import (
     bulk_reduce_add_f32,
     consumer_release_elected,
     convert_to_operand_a,
+    masked_add_rank,
     semaphore_release_after_bulk,
     semaphore_wait,
     sm90_smem_layout,
@@ -368,9 +369,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         if const_expr(self.lpt):
             n_block, head_kv, batch = self.lpt_coord(n_block, num_n_blocks, mQ, mK)
         if const_expr(self.deterministic):
-            # Causal, key blocks launch last first: each waits only on higher key
-            # blocks (dq_warp), which have then launched before it.
-            n_block = det_key_block(n_block, num_n_blocks, self.causal)
+            # Causal or masked, key blocks launch last first: each waits only on
+            # higher key blocks (dq_warp), which have then launched before it.
+            n_block = det_key_block(n_block, num_n_blocks, self.causal or self.masked)
         return n_block, head_kv, batch
 
     def lpt_coord(self, t, num_n_blocks, mQ: cute.Tensor, mK: cute.Tensor):
@@ -396,10 +397,11 @@ class FlashBwdSm90(Sm90BwdCommon):
 
         Deterministic: the query block's semaphore counts the key blocks whose
         partials have landed; this CTA adds its partial when the count reaches its
-        rank (``det_add_rank``: ascending key blocks, causal descending), waits for
-        the add to complete, then counts itself. CTAs wait only on blocks that
-        launch earlier (``det_key_block``: the causal grid runs the key blocks in
-        reverse), so the wait cannot deadlock."""
+        rank (``det_add_rank``: ascending key blocks, causal descending; masked,
+        ``masked_add_rank`` from the key blocks' walks, descending), waits for the
+        add to complete, then counts itself. CTAs wait only on blocks that launch
+        earlier (``det_key_block``: the causal and masked grids run the key blocks
+        in reverse), so the wait cannot deadlock."""
         mdQaccum, _, _, mdQsem = cta.outs
         n_block, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
@@ -422,8 +424,12 @@ class FlashBwdSm90(Sm90BwdCommon):
             if const_expr(self.deterministic):
                 sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
                                                          mdQsem.layout)
-                rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
-                                    self.causal, cutlass.min)
+                if const_expr(self.masked):
+                    # The whole warp counts; lane 0 waits.
+                    rank = masked_add_rank(cta.walks, batch, n_block, m_block)
+                else:
+                    rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
+                                        self.causal, cutlass.min)
                 if lane == 0:
                     # The bulk reduces below come after the acquire.
                     semaphore_wait(sem_ptr, rank)
@@ -683,6 +689,9 @@ class FlashBwdSm90Deterministic(DqSemaphoreCall, FlashBwdSm90):
     """The deterministic sm90 backward (hdim 64/128): every query block sums its dQ
     partials in a fixed key-block order (``det_add_rank``), so dQ is bitwise
     reproducible. The call takes one extra operand after mdQaccum: mdQsem, (B, Hq,
-    ceil(Sq / tile_m)) int32, zero at launch (one semaphore per query block)."""
+    ceil(Sq / tile_m)) int32, zero at launch (one semaphore per query block).
+    ``masked``: it also takes the key blocks' walks after the intervals (and ids),
+    walks them, and ranks its adds by them (Note [Masked dQ order] in
+    dq_layout.py)."""
 
     deterministic = True

@@ -62,6 +62,8 @@ class Cta:
     coords: tuple  # (key block, kv head, batch entry)
     work: tuple  # ``work_list``: (GQA group, first query block, query blocks, items)
     masks: tuple  # masked: (query intervals, query and key segment ids or None)
+    # deterministic and masked: the key blocks' walks (B, num_n, 2), else None.
+    walks: object
     # masked: (first full query block, end of the full ones) of the key block
     # (``BlockRange``), else None.
     full: tuple | None
@@ -193,9 +195,10 @@ class Sm90BwdCommon(BwdMainCall):
                       bytes_kv: int, SharedStorage, stream, masks: tuple = ()) -> None:
         """Launch ``kernel`` with one CTA per (key block, kv head, batch entry) of K
         (``mK``: (Sk, D, Hkv, B)), on the subclass's ``grid``. masks: with
-        ``masked``, (query intervals, query and key segment ids or None)."""
+        ``masked``, (query intervals, query and key segment ids or None), and
+        deterministic, the key blocks' walks."""
         num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-        masks = tuple(masks) + (None,) * (3 - len(masks))
+        masks = tuple(masks) + (None,) * (4 - len(masks))
         self.kernel(loads, outs, masks, tma_loads, atoms, layouts, mmas, bytes_qdo, bytes_kv,
                     SharedStorage).launch(
             grid=self.grid(num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3])),
@@ -216,7 +219,8 @@ class Sm90BwdCommon(BwdMainCall):
         loads: tuple,  # TMA views of Q (Sq, D, Hq, B), K (Sk, D, Hkv, B), V (Sk, Dv, Hkv,
         # B), dO (Sq, Dv, Hq, B), LSElog2 and Dpsum (Sq_pad, Hq, B) f32
         outs: tuple,  # the subclass's outputs (its ``launch`` says), dQaccum first
-        masks: tuple,  # (B, Sk, 2) query intervals, (B, Sq) / (B, Sk) segment ids, or None
+        masks: tuple,  # (B, Sk, 2) query intervals, (B, Sq) / (B, Sk) segment ids,
+        # (B, num_n, 2) key-block walks, or None each
         tma_loads: tuple,  # the TMA atoms of ``loads``
         atoms: tuple,  # the subclass's other TMA atoms
         layouts: tuple,  # SMEM layouts: Q, dO, K, V, the row statistics, ``smem_more``
@@ -257,10 +261,10 @@ class Sm90BwdCommon(BwdMainCall):
             # that their transfer hides that latency rather than follow it.
             if warp_idx == 0:
                 self.load_kv(coords, loads, tma_loads, smem, pipe_kv, True)
-        work, full = self.work_list(coords, mQ, mK, masks[0])
-        cta = Cta(coords=coords, work=work, masks=masks, full=full, seqlen_k=mK.shape[0],
-                  storage=storage, smem=smem, layouts=by_name, pipe_qdo=pipe_qdo,
-                  pipe_kv=pipe_kv, outs=outs, atoms=atoms, mmas=mmas)
+        work, full = self.work_list(coords, mQ, mK, masks[0], masks[3])
+        cta = Cta(coords=coords, work=work, masks=masks[:3], walks=masks[3], full=full,
+                  seqlen_k=mK.shape[0], storage=storage, smem=smem, layouts=by_name,
+                  pipe_qdo=pipe_qdo, pipe_kv=pipe_kv, outs=outs, atoms=atoms, mmas=mmas)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -289,13 +293,15 @@ class Sm90BwdCommon(BwdMainCall):
             tx_count=bytes_kv, defer_sync=False)
         return pipe_qdo, pipe_kv
 
-    def work_list(self, coords, mQ: cute.Tensor, mK: cute.Tensor, mRanges):
+    def work_list(self, coords, mQ: cute.Tensor, mK: cute.Tensor, mRanges, mWalks=None):
         """((group, m_block_min, num_m, num_iters), full): every (query head of the
         group, query block) pair that can see at least one key of this block, as
         ``num_iters = num_m * group`` items, and with ``masked`` (first full query
         block, end of the full ones) from the keys' intervals
         (``BlockRange``), else None. All roles walk the same list, so they agree on
-        every barrier count. mQ, mK: (S, D, H, B) views."""
+        every barrier count. mQ, mK: (S, D, H, B) views. mWalks: the deterministic
+        masked kernel's walks, whose bounds it takes instead: its dQ ranks count
+        them (Note [Masked dQ order] in dq_layout.py)."""
         n_block, _, batch = coords
         group = mQ.shape[2] // mK.shape[2]
         m_block_max = cute.ceil_div(mQ.shape[0], self.tile_m)
@@ -306,6 +312,10 @@ class Sm90BwdCommon(BwdMainCall):
                                 at_least_one=False)
             m_block_min, m_block_max = blocks.first, blocks.end
             full = (blocks.full_first, blocks.full_end)
+            if const_expr(mWalks is not None):
+                uniform = cute.arch.make_warp_uniform
+                m_block_min = uniform(mWalks[batch, n_block, 0])
+                m_block_max = uniform(mWalks[batch, n_block, 1])
         elif const_expr(self.causal):
             # First query block holding a query >= this block's first key.
             m_block_min = cutlass.min(n_block * self.tile_n // self.tile_m, m_block_max)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax_fa4.config import AttentionConfig, deterministic_bwd_support_error, dtype_name
 from jax_fa4.ffi import cutlass_available, kernel_call
 from jax_fa4.rules.plan import bwd_plan, fwd_plan
-from jax_fa4.rules.ranges import key_ranges, mask_arrays, query_ranges
+from jax_fa4.rules.ranges import key_block_ranges, key_ranges, mask_arrays, query_ranges
 
 # Per tensor: the dimensions that are compile-time constants (the head dims).
 _BSHD = (3,)
@@ -41,10 +41,11 @@ def _positive_scale(q, config: AttentionConfig):
     return -q, dataclasses.replace(config, scale=-config.scale)
 
 
-def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool):
+def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool, walk_tiles=None):
     """The masked kernels' operands after their others: each query's key interval
     (forward) or each key's query interval (backward), then with segment ids the
-    ids (rules/ranges.py)."""
+    ids, then with ``walk_tiles`` (the deterministic backward: (keys, queries) per
+    block) each key block's walk over the query blocks (rules/ranges.py)."""
     m = mask_arrays(config, masks)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     if keys:
@@ -55,6 +56,9 @@ def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool):
     if config.segments:
         ops += (m.q_segment_ids.astype(jnp.int32), m.kv_segment_ids.astype(jnp.int32))
         static += ((), ())
+    if walk_tiles is not None:
+        ops += (key_block_ranges(ranges, *walk_tiles),)
+        static += ((2,),)
     return ops, static
 
 
@@ -91,7 +95,8 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
     preprocess then reads none).
 
     config.deterministic: the main kernel adds each query block's dQ partials in a
-    fixed key-block order through per-block semaphores (head dims 64 and 128)."""
+    fixed key-block order through per-block semaphores (head dims 64 and 128), with
+    masks an order computed from the key blocks' walks (kernels/dq_layout.py)."""
     if config.deterministic:
         err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
         if err is not None:
@@ -112,7 +117,8 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
         # A query that sees no key has lse -inf; as +inf its P = exp2(s - lse) is 0
         # for every score, -inf (masked) ones included, where -inf would give NaN.
         lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-        mask_ops, mask_static = _mask_operands(config, masks, q, k, keys=True)
+        mask_ops, mask_static = _mask_operands(config, masks, q, k, keys=True,
+                                               walk_tiles=plan.walk_tiles)
         # The intervals before the preprocess: scheduled between it and the main
         # kernel, their XLA kernels would break the programmatic-dependent-launch
         # chain of the three.

@@ -4,8 +4,9 @@ A plan is built once per configuration (architecture, dtype, head dims, mask,
 scale, determinism) and is the only place that asks the kernel modules about
 their layout choices: which forward takes a tile counter, in which order the
 backward's statistics and dQ accumulator are laid out, what the deterministic
-kernel's semaphores cover. It holds the compile key of every kernel it launches,
-builds their kernel objects from those keys, and sizes the workspaces for a call.
+kernel's semaphores and, with masks, its walks cover. It holds the compile key of
+every kernel it launches, builds their kernel objects from those keys, and sizes
+the workspaces for a call.
 The lowering (``kernels_cuda``) reads it as a list of calls.
 """
 
@@ -66,6 +67,9 @@ class BwdPlan:
     # The deterministic main kernel orders its dQ adds with one int32 semaphore
     # per (batch, head, query block of this many rows), zero at launch; else 0.
     sem_tile_m: int
+    # The deterministic masked main kernel also takes its walks (``key_block_ranges``
+    # over blocks of (keys, queries)), from which it ranks its dQ adds; else None.
+    walk_tiles: tuple[int, int] | None = None
 
     @property
     def pdl(self) -> bool:
@@ -154,13 +158,20 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
 
         stat_block = stats_thread_block(head_dim, causal, masked) or 0
         dq_tile_m = dq_accum_flat_tile_m(head_dim, causal, masked) or 0
-    sem_tile_m = 0
+    sem_tile_m, walk_tiles = 0, None
     if deterministic:
         if arch == "sm_90a":
-            from jax_fa4.kernels.sm90_bwd import bwd_tiles
+            from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
+
+            tile_m, tile_n = bwd_tiles(head_dim, causal, masked).tile_m, FlashBwdSm90.tile_n
         else:
             from jax_fa4.kernels.sm100_bwd import bwd_tiles
-        sem_tile_m = bwd_tiles(head_dim, causal).tile_m
+
+            tiles = bwd_tiles(head_dim, causal)
+            tile_m, tile_n = tiles.tile_m, tiles.tile_n
+        sem_tile_m = tile_m
+        if masked:
+            walk_tiles = (tile_n, tile_m)
     common = dict(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
     # The pre- and postprocess ignore the mask (and the preprocess the scale): they
     # are keyed by the layouts they share with the main kernel instead.
@@ -172,4 +183,5 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         post=KernelKey(kind="bwd_post", causal=False, scale=scale, dq_tile_m=dq_tile_m,
                        **common),
         sem_tile_m=sem_tile_m,
+        walk_tiles=walk_tiles,
     )

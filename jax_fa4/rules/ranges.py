@@ -11,7 +11,8 @@ int32 intervals, ``[B, Sq, 2]`` (keys ``[lo, hi)`` of each query) and
 every causal mode, window, length vector and segment layout. A kernel reduces
 the intervals of a tile's rows to the blocks it visits (no fully masked block is
 loaded) and to those whose every element is visible (no element mask there);
-``block_ranges`` mirrors that reduction on the host for tests.
+``block_ranges`` mirrors that reduction on the host for tests. The deterministic
+backward takes each key block's reduced range too (``key_block_ranges``).
 
 Note [Segment table]: segment ids are data, any int32 values. Each id's first
 and last position, and whether it is one run, come from a table of T slots (T a
@@ -57,8 +58,6 @@ def masked_kernel_error(arch: str, kind: str, config: AttentionConfig) -> str | 
     if (arch, kind) not in MASKED_KERNELS:
         direction = "forward" if kind == "fwd" else "backward"
         return f"no {arch} {direction} kernel takes {what} yet"
-    if kind == "bwd" and config.deterministic:
-        return f"no deterministic {arch} backward kernel takes {what} yet"
     return None
 
 
@@ -165,6 +164,31 @@ def key_ranges(config: AttentionConfig, sq: int, sk: int, masks: Masks, batch: i
         slo, shi, exact = _occurrences(masks.q_segment_ids, masks.kv_segment_ids)
         lo, hi = jnp.maximum(lo, slo), jnp.minimum(hi, shi)
     return _pack(lo, hi, exact, j < lk[:, None])
+
+
+def key_block_ranges(ranges: jax.Array, tile_n: int, tile_m: int) -> jax.Array:
+    """[B, ceil(Sk / tile_n), 2] int32: the query blocks ``[first, end)`` of ``tile_m``
+    rows that each block of ``tile_n`` keys visits, from ``key_ranges`` [B, Sk, 2] by
+    the kernels' reduction (kernels/mask.py: ``BlockRange``); ``(0, 0)`` for a block
+    that no query sees.
+
+    The deterministic masked backward walks these bounds and ranks each dQ add by
+    them (Note [Masked dQ order] in kernels/dq_layout.py): every CTA must count
+    exactly the walks the others run, so they read one array rather than each
+    reducing the intervals of the other blocks itself."""
+    b, sk, _ = ranges.shape
+    num_n = -(-sk // tile_n)
+    pad = ((0, 0), (0, num_n * tile_n - sk))
+    lo, hi = ranges[..., 0], ranges[..., 1]
+    hi = jnp.where(hi < 0, ~hi, hi)  # the end of a row that compares segment ids
+    # Empty intervals (EMPTY_LO, 0), and the padding keys, widen nothing.
+    lo = jnp.pad(lo, pad, constant_values=EMPTY_LO).reshape(b, num_n, tile_n)
+    hi = jnp.pad(hi, pad).reshape(b, num_n, tile_n)
+    first = lo.min(axis=-1) // tile_m
+    end = -(-hi.max(axis=-1) // tile_m)
+    empty = end <= first
+    return jnp.stack([jnp.where(empty, 0, first), jnp.where(empty, 0, end)],
+                     axis=-1).astype(jnp.int32)
 
 
 def decode(ranges: np.ndarray):
