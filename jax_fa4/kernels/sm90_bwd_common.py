@@ -338,13 +338,7 @@ class Sm90BwdCommon(BwdMainCall):
         smem, pipe_qdo, pipe_kv = cta.smem, cta.pipe_qdo, cta.pipe_kv
         tm = self.tile_m
         d, dv = self.head_dim, self.head_dim_v
-        if const_expr(self.masked):
-            if num_iters == 0:
-                # Note [K and V first]: loaded for a block with no work, they must
-                # land before the CTA exits.
-                pipe_kv.consumer_wait(
-                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        else:
+        if const_expr(not self.masked):  # masked, K and V are on their way already
             self.load_kv(cta.coords, loads, tma_loads, smem, pipe_kv, num_iters > 0)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -390,10 +384,16 @@ class Sm90BwdCommon(BwdMainCall):
     @cute.jit
     def mma_start(self, pipe_kv, num_iters):
         """MMA warpgroups, before the walk: wait for K and V (loaded only if there
-        is work); returns the first Q / dO consumer state."""
-        if num_iters > 0:
-            pipe_kv.consumer_wait(
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        is work, masked always); returns the first Q / dO consumer state."""
+        # Note [K and V first]: a masked block with no work waits too, or the
+        # epilogue's zeros written to the K and V tiles could land before the
+        # tiles' own load and be overwritten, then stored as dK and dV.
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        if const_expr(self.masked):
+            pipe_kv.consumer_wait(kv)
+        else:
+            if num_iters > 0:
+                pipe_kv.consumer_wait(kv)
         return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                             self.stages_qdo)
 
