@@ -104,6 +104,19 @@ def _resolve_window(window) -> tuple[int | None, int | None] | None:
     return None if sides == [None, None] else tuple(sides)
 
 
+def _resolve_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, jax.core.Tracer):
+        raise TypeError("softcap must be a static Python float, not a traced value")
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise TypeError(f"softcap must be a Python float or None, got {softcap!r}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap <= 0.0:
+        raise ValueError(f"softcap must be finite and > 0 (or None: off), got {softcap}")
+    return softcap
+
+
 def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
     if x is None:
         return None
@@ -193,6 +206,7 @@ def attention(
     kv_lengths: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    softcap: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -219,6 +233,10 @@ def attention(
         key j only where the ids are equal (packed documents). kv_segment_ids
         defaults to q_segment_ids when Sq == Sk.
         A query row that sees no key gives out 0, lse -inf, zero gradients.
+      softcap: c (finite, > 0): each scaled logit s = scale * q.k becomes
+        c * tanh(s / c) before the softmax (Gemma 2's logit capping); the backward
+        applies its derivative. None: off. No kernel takes it yet: it runs the
+        reference path (logged once; ``implementation="cute"`` raises).
       return_lse: also return the log-sum-exp of the scaled logits.
       implementation: None = the CuTe DSL kernel where one exists for the
         device, dtype and head dims, else the reference path (logged once);
@@ -260,7 +278,7 @@ def attention(
         scale=_resolve_scale(scale, head_dim), causal=is_causal, implementation=implementation,
         deterministic=deterministic, bottom_right=bottom_right, window=window,
         q_lengths=masks.q_lengths is not None, kv_lengths=masks.kv_lengths is not None,
-        segments=masks.q_segment_ids is not None,
+        segments=masks.q_segment_ids is not None, softcap=_resolve_softcap(softcap),
     )
     if unbatched:
         query, key, value = query[None], key[None], value[None]

@@ -56,6 +56,8 @@ class AttentionConfig:
       q_lengths, kv_lengths, segments: which per-batch mask arrays the primitives
         take after their other operands, in this order: q_lengths [B],
         kv_lengths [B], q_segment_ids [B, Sq] and kv_segment_ids [B, Sk].
+      softcap: c > 0: each scaled logit s becomes c * tanh(s / c) before the
+        softmax; None: off.
     """
 
     scale: float
@@ -67,6 +69,7 @@ class AttentionConfig:
     q_lengths: bool = False
     kv_lengths: bool = False
     segments: bool = False
+    softcap: float | None = None
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:

@@ -55,6 +55,7 @@ def attention_fn(
     kv_lengths: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Flax-compatible attention on jax_fa4.
 
@@ -70,6 +71,8 @@ def attention_fn(
         "bottom_right"); overrides ``is_causal`` when given.
       window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: as in
         :func:`jax_fa4.attention`, with the batch dims folded into one ``[B]``.
+      softcap: the logit cap of :func:`jax_fa4.attention` (bind it with
+        ``functools.partial``).
       Other arguments as ``flax.nnx.dot_product_attention``.
 
     Returns:
@@ -97,10 +100,11 @@ def attention_fn(
         dt = jnp.result_type(query, key, value)
         query, key, value = (x.astype(dt) for x in (query, key, value))
     masked = any(x is not None for x in (window, q_lengths, kv_lengths, q_segment_ids,
-                                         kv_segment_ids)) or causal not in (None, False, True)
+                                         kv_segment_ids, softcap)) or causal not in (
+                                             None, False, True)
     if reasons and masked:
-        raise ValueError("jax_fa4.flax.attention_fn: lengths, segment ids, windows and causal "
-                         f"modes do not combine with {', '.join(reasons)}")
+        raise ValueError("jax_fa4.flax.attention_fn: lengths, segment ids, windows, causal "
+                         f"modes and softcap do not combine with {', '.join(reasons)}")
     if reasons:
         if implementation == "cute":
             raise ValueError(f"jax_fa4: implementation='cute' cannot take {', '.join(reasons)}")
@@ -120,7 +124,7 @@ def attention_fn(
         fold(query), fold(key), fold(value), causal=is_causal if causal is None else causal,
         window=window, q_lengths=fold_lengths(q_lengths), kv_lengths=fold_lengths(kv_lengths),
         q_segment_ids=fold_ids(q_segment_ids), kv_segment_ids=fold_ids(kv_segment_ids),
-        implementation=implementation, deterministic=deterministic_backward,
+        softcap=softcap, implementation=implementation, deterministic=deterministic_backward,
     )
     return out.reshape(batch_shape + out.shape[-3:])
 

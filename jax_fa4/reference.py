@@ -25,6 +25,10 @@ offset off = Lk - Lq for ``bottom_right`` (0 otherwise):
     q_segment_ids[b, i] == kv_segment_ids[b, j]
 
 A row that sees no key returns out 0 and lse -inf, and gets zero gradients.
+
+``softcap`` c (None: off) caps each scaled logit s to c * tanh(s / c) before the
+softmax (and before a dense ``bias``); the backward multiplies dS by its
+derivative, 1 - tanh(s / c)^2.
 """
 
 from __future__ import annotations
@@ -109,12 +113,14 @@ def attention_dense(
     bottom_right: bool = False,
     window: tuple[int | None, int | None] | None = None,
     masks: Masks = NO_MASKS,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense reference attention.
 
     Args:
       q: ``[B, Sq, Hq, D]``; k: ``[B, Sk, Hkv, D]``; v: ``[B, Sk, Hkv, Dv]``.
       causal, bottom_right, window, masks: the masks of the module docstring.
+      softcap: the logit cap of the module docstring (None: off).
       bias: optional, broadcastable to ``[B, Hq, Sq, Sk]``, added to the scaled logits.
       mask: optional boolean, broadcastable to ``[B, Hq, Sq, Sk]``; False hides a key.
       compute_dtype: the precision of every step (f32 by default; tests use the
@@ -129,7 +135,7 @@ def attention_dense(
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(compute_dtype)) * jnp.asarray(
         scale, compute_dtype
     )
-    s = s.reshape(b, hq, sq, sk)
+    s = _capped(s.reshape(b, hq, sq, sk), softcap)
     if bias is not None:
         s = s + jnp.broadcast_to(bias, s.shape).astype(compute_dtype)
     vis = visible(jnp.arange(sq), jnp.arange(sk), sq, sk, causal=causal,
@@ -149,6 +155,13 @@ def attention_dense(
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(compute_dtype), v.astype(compute_dtype))
     out = out.reshape(b, sq, hq, v.shape[-1])
     return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+def _capped(s: jax.Array, softcap: float | None) -> jax.Array:
+    """c * tanh(s / c) of scaled logits s (``softcap`` c; None: s)."""
+    if softcap is None:
+        return s
+    return softcap * jnp.tanh(s * (1.0 / softcap))
 
 
 def like_inputs(init, *inputs):
@@ -215,6 +228,7 @@ def attention_blockwise(
     bottom_right: bool = False,
     window: tuple[int | None, int | None] | None = None,
     masks: Masks = NO_MASKS,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Online-softmax attention over key blocks; never builds ``[Sq, Sk]``.
 
@@ -230,14 +244,18 @@ def attention_blockwise(
     vp, _ = _pad_keys(v, bk)
     kb = kp.reshape(b, nblk, bk, hkv, d).transpose(1, 0, 2, 3, 4)
     vb = vp.reshape(b, nblk, bk, hkv, dv).transpose(1, 0, 2, 3, 4)
-    # Scores in log2 units: s2 = (q.k) * scale * log2(e).
-    qg = _group_queries(q.astype(jnp.float32), hkv) * (scale * LOG2_E)
+    # Scores in log2 units: s2 = (q.k) * scale * log2(e), or capped: softcap *
+    # tanh((q.k) * scale / softcap) * log2(e).
+    qg = _group_queries(q.astype(jnp.float32), hkv) * (
+        scale * (LOG2_E if softcap is None else 1.0))
     vis_of = _block_visibility(sq, sk, bk, nblk, causal, bottom_right, window, masks)
 
     def step(carry, xs):
         o, l, m = carry  # o [B,Hkv,G,Sq,Dv], l/m [B,Hkv,G,Sq]
         j, kj, vj, segj = xs
         s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kj.astype(jnp.float32))
+        if softcap is not None:
+            s = _capped(s, softcap) * LOG2_E
         s = jnp.where(vis_of(j, segj)[:, None, None], s, -jnp.inf)
         m_blk = jnp.max(s, axis=-1)
         m_cand = jnp.maximum(m, m_blk)
@@ -281,6 +299,7 @@ def attention_bwd_blockwise(
     bottom_right: bool = False,
     window: tuple[int | None, int | None] | None = None,
     masks: Masks = NO_MASKS,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of (out, lse) w.r.t. q, k, v, recomputing P per key block.
 
@@ -288,7 +307,9 @@ def attention_bwd_blockwise(
     dP = dO V^T and Dpsum = rowsum(dO * O) - dLSE, dS = P * (dP - Dpsum);
     dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO. The LSE cotangent
     enters through Dpsum (d lse_i / d S_ij = P_ij); ``dlse`` None: it is zero.
-    Masks as in :func:`attention_dense`: a row that sees no key gets P = 0.
+    Masks as in :func:`attention_dense`: a row that sees no key gets P = 0. With
+    ``softcap`` c, P is of the capped scores and dS also takes the cap's
+    derivative, 1 - tanh(S / c)^2.
 
     Returns ``(dq, dk, dv)`` in the dtypes of q, k, v.
     """
@@ -317,10 +338,13 @@ def attention_bwd_blockwise(
         kj = kj.astype(jnp.float32)
         vj = vj.astype(jnp.float32)
         s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kj) * scale
+        capped = _capped(s, softcap)
         vis = vis_of(j, segj)[:, None, None]
-        p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lse_g[..., None], 0.0)), 0.0)
+        p = jnp.where(vis, jnp.exp(jnp.where(vis, capped - lse_g[..., None], 0.0)), 0.0)
         dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vj)
         ds = p * (dp - dpsum[..., None])
+        if softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            ds = ds * (1.0 - jnp.square(capped * (1.0 / softcap)))
         dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj) * scale
         dk_j = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg) * scale
         dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)

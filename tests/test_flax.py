@@ -154,3 +154,25 @@ def test_example_trains():
     spec.loader.exec_module(mod)
     losses = mod.main(["--steps", "12", "--seq", "32", "--dim", "64", "--heads", "2"])
     assert losses[-1] < losses[0]
+
+
+def test_softcap_binds_into_attention_fn():
+    """Gemma 2's capped logits in a Flax module: softcap bound with
+    functools.partial gives jax_fa4.attention(softcap=...); with a dense mask it
+    raises (Flax's reference path has no cap)."""
+    def module(attention_fn):
+        return nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
+                                      decode=False, attention_fn=attention_fn,
+                                      rngs=nnx.Rngs(0))
+
+    def direct(cap):
+        return lambda q, k, v, is_causal, **_: jax_fa4.attention(q, k, v, causal=is_causal,
+                                                                 softcap=cap)
+
+    ours = module(functools.partial(jax_fa4.flax.attention_fn, softcap=1.5))
+    x = 3.0 * jax.random.normal(jax.random.key(5), (2, 13, 32))
+    got = ours(x, is_causal=True)  # nnx passes is_causal through
+    assert max_err(got, module(direct(1.5))(x, is_causal=True)) < 1e-6
+    assert max_err(got, module(direct(None))(x, is_causal=True)) > 1e-3  # the cap counts
+    with pytest.raises(ValueError, match="softcap do not combine with mask"):
+        ours(x, mask=jnp.ones((2, 4, 13, 13), bool))

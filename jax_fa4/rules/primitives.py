@@ -173,7 +173,7 @@ batching.primitive_batchers[fa4_bwd_p] = functools.partial(_batch_rule, fa4_bwd_
 
 def _mask_kwargs(config: AttentionConfig, masks) -> dict:
     return dict(causal=config.causal, bottom_right=config.bottom_right, window=config.window,
-                masks=mask_arrays(config, masks))
+                masks=mask_arrays(config, masks), softcap=config.softcap)
 
 
 def _reference_fwd(q, k, v, *masks, config):
@@ -209,6 +209,8 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     if arch is None:
         return None, f"no kernel for this GPU ({source})"
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
+    if err is None and config.softcap is not None:
+        err = f"no {arch} kernel takes softcap yet"
     if err is None and config.masked:
         err = masked_kernel_error(arch, kind, config)
     if err is None and kind == "bwd" and config.deterministic:
