@@ -117,6 +117,19 @@ def _resolve_softcap(softcap) -> float | None:
     return softcap
 
 
+def _check_sinks(sinks, hq: int) -> jax.Array | None:
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise TypeError(f"sinks must be a float32 array, got {type(sinks).__name__}")
+    if sinks.dtype != jnp.float32:
+        raise TypeError(f"sinks must be float32, got {sinks.dtype}")
+    if tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must have shape (query heads,) = ({hq},), "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
+
+
 def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
     if x is None:
         return None
@@ -180,15 +193,31 @@ def _attention_fwd(q, k, v, masks, config):
 
 
 def _attention_bwd(config, residuals, cotangents):
-    q, k, v, masks, out, lse = residuals
+    q, k, v, operands, out, lse = residuals
     dout, dlse = cotangents
     if isinstance(dout, SymbolicZero):  # only the LSE is used
         dout = jnp.zeros(out.shape, out.dtype)
     extra = () if isinstance(dlse, SymbolicZero) else (dlse.astype(jnp.float32),)
+    masks = operands[:config.num_mask_operands]
     dq, dk, dv = fa4_bwd_p.bind(
         q, k, v, out, lse, dout.astype(out.dtype), *masks, *extra, config=config
     )
-    return dq, dk, dv, tuple(None for _ in masks)
+    grads = [None] * len(operands)
+    if config.sinks:
+        grads[-1] = _sink_gradient(operands[-1], out, lse, dout, extra)
+    return dq, dk, dv, tuple(grads)
+
+
+def _sink_gradient(sinks, out, lse, dout, dlse):
+    """d sinks [B, Hq]: lse_i = log(exp(sink) + sum_j exp(s_ij)) moves by the sink's
+    share of row i, p_i = exp(sink - lse_i), and out_i by -p_i out_i, so the
+    gradient is sum_i p_i (dlse_i - dout_i . out_i) (no operand of the backward
+    primitive: its P = exp(S - lse) already holds the sinks)."""
+    dpsum = jnp.einsum("bshe,bshe->bhs", dout.astype(jnp.float32), out.astype(jnp.float32))
+    if dlse:
+        dpsum = dpsum - dlse[0]
+    share = jnp.exp(sinks[:, :, None] - lse)
+    return -jnp.sum(share * dpsum, axis=-1)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -207,6 +236,7 @@ def attention(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -237,6 +267,13 @@ def attention(
         c * tanh(s / c) before the softmax (Gemma 2's logit capping); the backward
         applies its derivative. None: off. No kernel takes it yet: it runs the
         reference path (logged once; ``implementation="cute"`` raises).
+      sinks: float32 ``[Hq]``: one learnable logit per query head that joins every
+        row's softmax denominator and attends to no value (GPT-OSS, streaming
+        attention): out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij));
+        the returned lse includes it, and it gets its gradient. A row that sees no
+        key then gives out 0 and lse = sink_h. The forward runs the reference path
+        (logged once; ``implementation="cute"`` raises); the backward kernels take
+        it through the lse.
       return_lse: also return the log-sum-exp of the scaled logits.
       implementation: None = the CuTe DSL kernel where one exists for the
         device, dtype and head dims, else the reference path (logged once);
@@ -279,10 +316,16 @@ def attention(
         deterministic=deterministic, bottom_right=bottom_right, window=window,
         q_lengths=masks.q_lengths is not None, kv_lengths=masks.kv_lengths is not None,
         segments=masks.q_segment_ids is not None, softcap=_resolve_softcap(softcap),
+        sinks=_check_sinks(sinks, int(query.shape[-2])) is not None,
     )
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    out, lse = _attention(query, key, value, tuple(x for x in masks if x is not None), config)
+    operands = tuple(x for x in masks if x is not None)
+    if sinks is not None:
+        # Per batch entry, so that vmap and the batch sharding fold and split it with
+        # the batch; the broadcast's transpose sums its gradient.
+        operands += (jnp.broadcast_to(sinks, (query.shape[0], sinks.shape[0])),)
+    out, lse = _attention(query, key, value, operands, config)
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -58,6 +58,10 @@ class AttentionConfig:
         kv_lengths [B], q_segment_ids [B, Sq] and kv_segment_ids [B, Sk].
       softcap: c > 0: each scaled logit s becomes c * tanh(s / c) before the
         softmax; None: off.
+      sinks: the forward takes one more operand after the mask arrays, the sink
+        logits [B, Hq] float32, which join every row's softmax denominator. (The
+        backward needs no operand for them: its P = exp(S - lse) with the lse
+        that includes them.)
     """
 
     scale: float
@@ -70,6 +74,7 @@ class AttentionConfig:
     kv_lengths: bool = False
     segments: bool = False
     softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:

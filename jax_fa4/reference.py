@@ -29,6 +29,12 @@ A row that sees no key returns out 0 and lse -inf, and gets zero gradients.
 ``softcap`` c (None: off) caps each scaled logit s to c * tanh(s / c) before the
 softmax (and before a dense ``bias``); the backward multiplies dS by its
 derivative, 1 - tanh(s / c)^2.
+
+``sinks`` [B, Hq] (None: none) are logits that join every row's softmax
+denominator and attend to no value: out_i = sum_j exp(s_ij) v_j / (exp(sink) +
+sum_j exp(s_ij)), lse_i = log(exp(sink) + sum_j exp(s_ij)). A row that sees no key
+then has out 0 and lse = sink. The backward is the same with that lse (its P =
+exp(S - lse) sums to less than 1); the sinks' own gradient is api.py's.
 """
 
 from __future__ import annotations
@@ -114,13 +120,15 @@ def attention_dense(
     window: tuple[int | None, int | None] | None = None,
     masks: Masks = NO_MASKS,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dense reference attention.
 
     Args:
       q: ``[B, Sq, Hq, D]``; k: ``[B, Sk, Hkv, D]``; v: ``[B, Sk, Hkv, Dv]``.
       causal, bottom_right, window, masks: the masks of the module docstring.
-      softcap: the logit cap of the module docstring (None: off).
+      softcap, sinks: the logit cap and the sink logits [B, Hq] of the module
+        docstring (None: off).
       bias: optional, broadcastable to ``[B, Hq, Sq, Sk]``, added to the scaled logits.
       mask: optional boolean, broadcastable to ``[B, Hq, Sq, Sk]``; False hides a key.
       compute_dtype: the precision of every step (f32 by default; tests use the
@@ -146,9 +154,14 @@ def attention_dense(
     neg = jnp.finfo(compute_dtype).min
     s = jnp.where(vis, s, neg)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(compute_dtype)[:, :, None, None]
+        m = jnp.maximum(m, sink)
     p = jnp.exp(s - m)
     p = jnp.where(vis, p, 0)
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m)
     safe_l = jnp.where(l == 0, 1, l)
     lse = jnp.where(l[..., 0] == 0, -jnp.inf, (m + jnp.log(safe_l))[..., 0])
     p = (p / safe_l).reshape(b, hkv, hq // hkv, sq, sk)
@@ -229,6 +242,7 @@ def attention_blockwise(
     window: tuple[int | None, int | None] | None = None,
     masks: Masks = NO_MASKS,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Online-softmax attention over key blocks; never builds ``[Sq, Sk]``.
 
@@ -275,9 +289,17 @@ def attention_blockwise(
         jnp.zeros((b, hkv, g, sq), jnp.float32),
         jnp.full((b, hkv, g, sq), -jnp.inf, jnp.float32),
     )
-    init = like_inputs(init, q, k, v, *_present(masks))
+    init = like_inputs(init, q, k, v, *_present(masks),
+                       *(() if sinks is None else (sinks,)))
     (o, l, m), _ = jax.lax.scan(step, init, (jnp.arange(nblk), kb, vb,
                                              _segment_blocks(masks, bk, nblk)))
+    if sinks is not None:
+        # The sink joins the denominator at the end, in log2 units, against the
+        # larger of it and the (possibly stale, possibly -inf) running max.
+        sink = sinks.astype(jnp.float32).reshape(b, hkv, g, 1) * LOG2_E
+        m_fin = jnp.maximum(m, sink)
+        corr = jnp.exp2(m - m_fin)  # 0 where no key was seen (m = -inf)
+        o, l, m = o * corr[..., None], l * corr + jnp.exp2(sink - m_fin), m_fin
     safe_l = jnp.where(l == 0, 1.0, l)
     out = (o / safe_l[..., None]).reshape(b, hq, sq, dv).transpose(0, 2, 1, 3)
     lse = jnp.where(l == 0, -jnp.inf, (m + jnp.log2(safe_l)) * LN_2).reshape(b, hq, sq)

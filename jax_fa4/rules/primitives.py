@@ -93,10 +93,10 @@ def _aval(shape, dtype, *like):
 
 @fa4_fwd_p.def_abstract_eval
 def _fwd_abstract(q, k, v, *masks, config: AttentionConfig):
-    # masks: the per-batch mask arrays the config names (AttentionConfig).
-    if len(masks) != config.num_mask_operands:
-        raise TypeError(f"fa4_fwd takes {3 + config.num_mask_operands} operands, "
-                        f"got {3 + len(masks)}")
+    # masks: the per-batch mask arrays the config names, then the sinks (AttentionConfig).
+    n = config.num_mask_operands + config.sinks
+    if len(masks) != n:
+        raise TypeError(f"fa4_fwd takes {3 + n} operands, got {3 + len(masks)}")
     b, sq, hq, _ = q.shape
     out = _aval((b, sq, hq, v.shape[-1]), q.dtype, q, k, v)
     lse = _aval((b, hq, sq), jnp.float32, q, k, v)
@@ -156,6 +156,9 @@ def _fwd_batch_shared_kv(args, q_dim, size, config):
     hkv, g = k.shape[2], hq // k.shape[2]
     q = jnp.moveaxis(q, q_dim, 0).reshape(n, b, sq, hkv, g, d)
     q = q.transpose(1, 2, 3, 0, 4, 5).reshape(b, sq, hkv * n * g, d)
+    if config.sinks:  # [B, Hq] -> the folded heads' order
+        sinks = masks[-1].reshape(b, hkv, 1, g)
+        masks[-1] = jnp.broadcast_to(sinks, (b, hkv, n, g)).reshape(b, hkv * n * g)
     out, lse = fa4_fwd_p.bind(q, k, v, *masks, config=config)
     dv = out.shape[-1]
     out = out.reshape(b, sq, hkv, n, g, dv).transpose(3, 0, 1, 2, 4, 5)
@@ -176,9 +179,10 @@ def _mask_kwargs(config: AttentionConfig, masks) -> dict:
                 masks=mask_arrays(config, masks), softcap=config.softcap)
 
 
-def _reference_fwd(q, k, v, *masks, config):
+def _reference_fwd(q, k, v, *operands, config):
     return reference.attention_blockwise(q, k, v, scale=config.scale,
-                                         **_mask_kwargs(config, masks))
+                                         sinks=operands[-1] if config.sinks else None,
+                                         **_mask_kwargs(config, operands))
 
 
 def _reference_bwd(q, k, v, out, lse, dout, *rest, config):
@@ -211,6 +215,8 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
     if err is None and config.softcap is not None:
         err = f"no {arch} kernel takes softcap yet"
+    if err is None and kind == "fwd" and config.sinks:
+        err = f"no {arch} forward kernel takes sinks yet"
     if err is None and config.masked:
         err = masked_kernel_error(arch, kind, config)
     if err is None and kind == "bwd" and config.deterministic:

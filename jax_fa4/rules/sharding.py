@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 # Operands: q [B,S,H,D], k [B,T,K,D], v [B,T,K,E] (+ out, lse, dout for the backward),
 # then the mask arrays the config names (q / kv lengths [B], q / kv segment ids [B,S] /
-# [B,T]: they shard with the batch), then dlse [B,H,S] unless LSE's cotangent is a
+# [B,T]: they shard with the batch), then the forward's sinks [B,H] (with the batch
+# and the heads), or the backward's dlse [B,H,S] unless LSE's cotangent is a
 # symbolic zero. Results: out, lse / dq, dk, dv.
 _QKV = ("b s h d", "b t k d", "b t k e")
 _BWD_EXTRA = ("b s h e", "b h s", "b s h e")
@@ -39,7 +40,8 @@ def _mask_factors(config) -> tuple[str, ...]:
 
 def _rule(kind: str, config, dlse: bool) -> str:
     if kind == "fwd":
-        return ", ".join(_QKV + _mask_factors(config)) + " -> b s h e, b h s"
+        sinks = ("b h",) if config.sinks else ()
+        return ", ".join(_QKV + _mask_factors(config) + sinks) + " -> b s h e, b h s"
     args = _QKV + _BWD_EXTRA + _mask_factors(config) + (("b h s",) if dlse else ())
     return ", ".join(args) + " -> b s h d, b t k d, b t k e"
 
@@ -50,7 +52,8 @@ def _specs(kind: str, config, dlse: bool, batch, heads):
     masks = ((P(batch),) * config.q_lengths + (P(batch),) * config.kv_lengths
              + (P(batch, None),) * (2 * config.segments))
     if kind == "fwd":
-        return (bshd, bshd, bshd) + masks, (bshd, bhs)
+        sinks = (P(batch, heads),) if config.sinks else ()
+        return (bshd, bshd, bshd) + masks + sinks, (bshd, bhs)
     return (bshd,) * 4 + (bhs, bshd) + masks + ((bhs,) if dlse else ()), (bshd,) * 3
 
 
@@ -129,7 +132,7 @@ def _make(impl: Callable, specs_fn, rule: str, n_args: int):
 
 @functools.cache
 def _partitioned(kind: str, config, dlse: bool, impl: Callable) -> Callable:
-    n_args = 3 + config.num_mask_operands if kind == "fwd" else (
+    n_args = 3 + config.num_mask_operands + config.sinks if kind == "fwd" else (
         6 + config.num_mask_operands + dlse)
     specs_fn = functools.partial(_specs, kind, config, dlse)
     return _make(impl, specs_fn, _rule(kind, config, dlse), n_args)

@@ -1,0 +1,217 @@
+"""Learnable sinks through the public API on the reference path: one logit per query
+head joins every row's softmax denominator. The forward against a float64 numpy
+ground truth written from the formula, with every mask of test_masks.py (rows that
+see no key give out 0 and lse = sink); all gradients, d sinks included, against
+autodiff of the dense path and against finite differences; vmap, softcap, the
+batch / head sharding rule; argument errors; the forward kernels' refusal."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import max_err, rand_qkv
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_masks import CASES, _jnp, _vis
+
+import jax_fa4
+from jax_fa4.reference import Masks, attention_dense
+from jax_fa4.rules.primitives import KernelUnavailableError
+
+B, SQ, SK, HQ, HKV, D = 3, 37, 45, 4, 2, 16
+SCALE = 0.4
+SINKS = jnp.array([0.5, -2.0, 3.0, 1.0], jnp.float32)  # one far above the scores
+
+
+def with_sinks64(q, k, v, scale, sinks, vis):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    e = np.exp(np.einsum("bqhd,bkhd->bhqk", q, k) * scale) * vis[:, None]
+    denom = np.exp(np.asarray(sinks, np.float64))[None, :, None] + e.sum(-1)
+    out = np.einsum("bhqk,bkhd->bqhd", e / denom[..., None], v)
+    return out, np.log(denom)
+
+
+def _attn(kw, **more):
+    return lambda q, k, v, s: jax_fa4.attention(q, k, v, scale=SCALE, sinks=s,
+                                                return_lse=True, **_jnp(kw), **more)
+
+
+def _dense(kw, **more):
+    m = _jnp(kw)
+    masks = Masks(m.get("q_lengths"), m.get("kv_lengths"), m.get("q_segment_ids"),
+                  m.get("kv_segment_ids", m.get("q_segment_ids")))
+    causal = kw.get("causal", False)
+
+    def f(q, k, v, s):
+        return attention_dense(q, k, v, scale=SCALE, causal=bool(causal),
+                               bottom_right=causal == "bottom_right", window=kw.get("window"),
+                               masks=masks, sinks=jnp.broadcast_to(s, (q.shape[0], s.shape[0])),
+                               **more)
+    return f
+
+
+def _loss(fn, b=B, sq=SQ, hq=HQ, dv=D):
+    w = jnp.cos(jnp.arange(b * sq * hq * dv, dtype=jnp.float32).reshape(b, sq, hq, dv))
+    wl = jnp.sin(jnp.arange(b * hq * sq, dtype=jnp.float32).reshape(b, hq, sq))
+
+    def f(q, k, v, s):
+        o, l = fn(q, k, v, s)
+        return jnp.sum(o * w) + jnp.sum(l * wl)
+    return f
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sinks_forward_and_gradients(name):
+    kw = CASES[name]
+    q, k, v = rand_qkv(len(name) + 70, B, SQ, SK, HQ, HKV, D, dtype=jnp.float32)
+    vis = _vis(kw)
+    out, lse = jax.jit(_attn(kw))(q, k, v, SINKS)
+    want_out, want_lse = with_sinks64(q, k, v, SCALE, SINKS, vis)
+    assert max_err(out, want_out) < 1e-5
+    assert max_err(lse, want_lse) < 1e-5  # every row finite: the sink is in each
+    empty = ~vis.any(-1)
+    if empty.any():  # no visible key: out 0, lse = the head's sink
+        o, l = np.asarray(out), np.asarray(lse)
+        assert not np.any(o[np.broadcast_to(empty[:, :, None, None], o.shape)])
+        rows = np.broadcast_to(empty[:, None, :], l.shape)
+        heads = np.broadcast_to(np.asarray(SINKS)[None, :, None], l.shape)
+        assert np.array_equal(l[rows], heads[rows])
+
+    got = jax.jit(jax.grad(_loss(_attn(kw)), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
+    want = jax.grad(_loss(_dense(kw)), argnums=(0, 1, 2, 3))(q, k, v, SINKS)
+    for n, g, h in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert np.all(np.isfinite(np.asarray(g))), n
+        assert max_err(g, h) < 5e-5 * max(1.0, float(jnp.max(jnp.abs(h)))), n
+    assert float(jnp.max(jnp.abs(got[3]))) > 1e-2  # the sinks do get a gradient
+
+
+def test_sink_gradient_matches_finite_differences():
+    """d sinks and dq against central differences of the forward (float32; a step
+    of 1e-2 keeps rounding and truncation near 1e-4)."""
+    q, k, v = rand_qkv(4, 2, 9, 13, 2, 1, 8, dtype=jnp.float32)
+    kw = dict(causal=True, kv_lengths=np.array([13, 4], np.int32))
+    s = jnp.array([0.3, -0.7], jnp.float32)
+    f = jax.jit(_loss(_attn(kw), 2, 9, 2, 8))
+    got = jax.grad(f, argnums=(0, 3))(q, k, v, s)
+    eps = 1e-2
+    rng = np.random.default_rng(1)
+    for grad, move in ((got[0], lambda d: (q + d, s)), (got[1], lambda d: (q, s + d))):
+        for _ in range(3):
+            d = jnp.asarray(rng.standard_normal(grad.shape), jnp.float32)
+            d = d / jnp.linalg.norm(d)
+            (qu, su), (qd, sd) = move(eps * d), move(-eps * d)
+            fd = float((f(qu, k, v, su) - f(qd, k, v, sd)) / (2 * eps))
+            assert abs(float(jnp.vdot(grad, d)) - fd) < 2e-3 * max(1.0, abs(fd)), fd
+
+
+def test_sinks_with_softcap_and_vmap():
+    q, k, v = rand_qkv(6, B, SQ, SK, HQ, HKV, D, dtype=jnp.float32)
+    kw = dict(causal=True, window=(9, 0))
+    got = _attn(kw, softcap=1.5)(q, k, v, SINKS)
+    want = _dense(kw, softcap=1.5)(q, k, v, SINKS)
+    assert max_err(got[0], want[0]) < 1e-5 and max_err(got[1], want[1]) < 1e-5
+    # vmap over the sinks (one set per model copy) and over the queries alone
+    # (shared K / V: folded into the heads) equal the loops.
+    two = jnp.stack([SINKS, -SINKS])
+    batched = jax.vmap(lambda s: _attn(kw)(q, k, v, s))(two)
+    qs = jnp.stack([q, 2 * q])
+    shared = jax.vmap(lambda q: _attn(kw)(q, k, v, SINKS))(qs)
+    for i in range(2):
+        one = _attn(kw)(q, k, v, two[i])
+        assert max_err(batched[0][i], one[0]) < 1e-6 and max_err(batched[1][i], one[1]) < 1e-6
+        one = _attn(kw)(qs[i], k, v, SINKS)
+        assert max_err(shared[0][i], one[0]) < 1e-6 and max_err(shared[1][i], one[1]) < 1e-6
+    g = jax.vmap(jax.grad(_loss(_attn(kw)), argnums=3), in_axes=(None, None, None, 0))(
+        q, k, v, two)
+    for i in range(2):
+        assert max_err(g[i], jax.grad(_loss(_attn(kw)), argnums=3)(q, k, v, two[i])) < 1e-5
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, None, "x")])
+def test_sinks_under_batch_and_head_sharding(spec):
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices (XLA_FLAGS set in conftest before JAX starts)")
+    mesh = Mesh(np.array(devices[:4]), ("x",))
+    q, k, v = rand_qkv(2, 4, 16, 16, 8, 4, 16, dtype=jnp.float32)
+    s = jnp.linspace(-1.0, 2.0, 8, dtype=jnp.float32)
+    sh = NamedSharding(mesh, spec)
+    q, k, v = (jax.device_put(x, sh) for x in (q, k, v))
+    loss = _loss(_attn({}), 4, 16, 8, 16)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    assert "all-gather" not in grad.lower(q, k, v, s).compile().as_text()
+    got = grad(q, k, v, s)
+    want = jax.grad(_loss(_dense({}), 4, 16, 8, 16), argnums=(0, 1, 2, 3))(q, k, v, s)
+    for g, w in zip(got, want):
+        assert max_err(g, w) < 1e-4
+
+
+@pytest.mark.parametrize("sinks,err,match", [
+    (jnp.zeros((4,), jnp.bfloat16), TypeError, "float32"),
+    (jnp.zeros((2,), jnp.float32), ValueError, r"shape \(query heads,\)"),
+    (jnp.zeros((1, 4), jnp.float32), ValueError, "shape"),
+    ([0.0] * 4, TypeError, "array"),
+])
+def test_bad_sinks_raise(sinks, err, match):
+    q, k, v = rand_qkv(1, 1, 8, 8, 4, 2, 16, dtype=jnp.float32)
+    with pytest.raises(err, match=match):
+        jax_fa4.attention(q, k, v, sinks=sinks)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_forward_kernels_refuse_sinks_by_name(monkeypatch, caplog, arch):
+    """No forward kernel takes sinks yet: lowered for a GPU, the default logs the
+    reference forward and names sinks; implementation="cute" raises."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
+    q, k, v = (jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16),) * 3
+    s = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+    def lower(implementation):
+        fn = jax.jit(functools.partial(jax_fa4.attention, implementation=implementation))
+        return fn.trace(q, k, v, sinks=s).lower(lowering_platforms=("cuda",)).as_text()
+
+    with caplog.at_level("WARNING", logger="jax_fa4"):
+        text = lower(None)
+    assert f"no {arch} forward kernel takes sinks" in caplog.text
+    assert "CuteDSLRT_NvJaxCutlassCall" not in text  # the reference forward: plain HLO
+    with pytest.raises(KernelUnavailableError, match=f"no {arch} forward kernel takes sinks"):
+        lower("cute")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,kw", [(64, dict(causal=True, window=(128, 0))),
+                                  (128, dict(causal=True, kv_lengths=np.array([300, 0],
+                                                                              np.int32)))])
+def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
+    """On the GPU: the reference forward with sinks, then the backward kernels with
+    its lse; out, lse and every gradient (d sinks included) by the 2x rule against
+    the dense reference in float32 and bf16, outputs poisoned."""
+    from conftest import assert_close_2x
+
+    from jax_fa4.ffi import poison_outputs
+
+    b, sq, sk, hq, hkv = 2, 300, 300, 4, 2
+    q, k, v = rand_qkv(8, b, sq, sk, hq, hkv, d)
+    s = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    fn = jax.jit(jax.value_and_grad(lambda q, k, v, s: _loss(
+        lambda *a: jax_fa4.attention(*a[:3], sinks=a[3], return_lse=True, **_jnp(kw)),
+        b, sq, hq, d)(q, k, v, s), argnums=(0, 1, 2, 3)))
+    with poison_outputs():
+        _, got = fn(q, k, v, s)
+
+    def ref(dtype):
+        f = _loss(lambda q, k, v, s: tuple(x.astype(jnp.float32) for x in _dense(
+            kw, compute_dtype=dtype)(q.astype(dtype), k.astype(dtype), v.astype(dtype), s)),
+            b, sq, hq, d)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, s)
+
+    hi, lo = ref(jnp.float32), ref(jnp.bfloat16)
+    for n, g, h, lw in zip(("dq", "dk", "dv", "dsinks"), got, hi, lo):
+        assert_close_2x(g, h, lw, atol=2e-3, name=n)
