@@ -41,11 +41,15 @@ def visible_np(b, sq, sk, causal=False, window=None, q_lengths=None, kv_lengths=
     return out
 
 
-def naive64(q, k, v, scale, vis):
+def naive64(q, k, v, scale, vis, softcap=None):
+    """out, lse over the visible keys in float64; ``softcap`` c caps each scaled
+    logit s to c * tanh(s / c)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     g = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
     vis = vis[:, None]
     s = np.where(vis, s, -np.inf)
     m = s.max(-1, keepdims=True)
