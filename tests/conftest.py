@@ -66,6 +66,18 @@ def max_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
 
+def weighted_loss(fn, out_shape, lse_shape):
+    """A scalar of ``fn``'s (out, lse) that weighs every element differently (cos /
+    sin ramps); rows with lse -inf count 0 there."""
+    w = jnp.cos(jnp.arange(np.prod(out_shape), dtype=jnp.float32).reshape(out_shape))
+    wl = jnp.sin(jnp.arange(np.prod(lse_shape), dtype=jnp.float32).reshape(lse_shape))
+
+    def f(*args):
+        o, l = fn(*args)
+        return jnp.sum(o * w) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * wl)
+    return f
+
+
 def assert_close_2x(got, ref_hi, ref_lo, atol: float, name: str = "") -> None:
     """Error of `got` vs the f32 reference <= 2x the low-precision error + atol."""
     got = np.asarray(got, np.float64)

@@ -61,6 +61,20 @@ def naive64(q, k, v, scale, vis, softcap=None):
     return out, lse
 
 
+def dense_with(kw, scale, **more):
+    """The dense reference with the masks of ``kw`` (a CASES entry) and ``more`` of
+    its keyword arguments: f(q, k, v, **extra) -> (out, lse)."""
+    from jax_fa4.reference import Masks, attention_dense
+
+    m = _jnp(kw)
+    masks = Masks(m.get("q_lengths"), m.get("kv_lengths"), m.get("q_segment_ids"),
+                  m.get("kv_segment_ids", m.get("q_segment_ids")))
+    causal = kw.get("causal", False)
+    return lambda q, k, v, **extra: attention_dense(
+        q, k, v, scale=scale, causal=bool(causal), bottom_right=causal == "bottom_right",
+        window=kw.get("window"), masks=masks, **more, **extra)
+
+
 def dense32(q, k, v, scale, vis):
     """Differentiable f32 ground truth with the mask given as an array."""
     g = q.shape[2] // k.shape[2]
@@ -98,6 +112,12 @@ CASES = {  # name: attention keyword arguments (arrays as numpy)
                        kv_segment_ids=SEG_K, q_lengths=np.array([36, 20, 37], np.int32),
                        kv_lengths=np.array([44, 45, 33], np.int32)),
 }
+
+
+# A subset for the score modifiers' tests: masks that bound each side of the rows,
+# segment ids, and rows that see no key.
+SIDES = ["causal_top_left", "lengths_bottom_right", "window_both", "segments_causal_lengths",
+         "everything"]
 
 
 def _vis(kw, b=B, sq=SQ, sk=SK):

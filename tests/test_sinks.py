@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import max_err, rand_qkv
+from conftest import max_err, rand_qkv, weighted_loss
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_masks import CASES, _jnp, _vis
+from test_masks import CASES, SIDES, _jnp, _vis, dense_with
 
 import jax_fa4
-from jax_fa4.reference import Masks, attention_dense
 from jax_fa4.rules.primitives import KernelUnavailableError
 
 B, SQ, SK, HQ, HKV, D = 3, 37, 45, 4, 2, 16
@@ -43,36 +42,15 @@ def _attn(kw, **more):
 
 
 def _dense(kw, **more):
-    m = _jnp(kw)
-    masks = Masks(m.get("q_lengths"), m.get("kv_lengths"), m.get("q_segment_ids"),
-                  m.get("kv_segment_ids", m.get("q_segment_ids")))
-    causal = kw.get("causal", False)
-
-    def f(q, k, v, s):
-        return attention_dense(q, k, v, scale=SCALE, causal=bool(causal),
-                               bottom_right=causal == "bottom_right", window=kw.get("window"),
-                               masks=masks, sinks=jnp.broadcast_to(s, (q.shape[0], s.shape[0])),
-                               **more)
-    return f
+    f = dense_with(kw, SCALE, **more)
+    return lambda q, k, v, s: f(q, k, v, sinks=jnp.broadcast_to(s, (q.shape[0], s.shape[0])))
 
 
 def _loss(fn, b=B, sq=SQ, hq=HQ, dv=D):
-    w = jnp.cos(jnp.arange(b * sq * hq * dv, dtype=jnp.float32).reshape(b, sq, hq, dv))
-    wl = jnp.sin(jnp.arange(b * hq * sq, dtype=jnp.float32).reshape(b, hq, sq))
-
-    def f(q, k, v, s):
-        o, l = fn(q, k, v, s)
-        return jnp.sum(o * w) + jnp.sum(l * wl)
-    return f
+    return weighted_loss(fn, (b, sq, hq, dv), (b, hq, sq))
 
 
-# The masks that bound each side and the empty rows (test_masks.py runs them all
-# without the modifier).
-SOME = ["causal_top_left", "lengths_bottom_right", "window_both", "segments_causal_lengths",
-        "everything"]
-
-
-@pytest.mark.parametrize("name", SOME)
+@pytest.mark.parametrize("name", SIDES)
 def test_sinks_forward_and_gradients(name):
     kw = CASES[name]
     q, k, v = rand_qkv(len(name) + 70, B, SQ, SK, HQ, HKV, D, dtype=jnp.float32)

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import max_err, rand_qkv
-from test_masks import CASES, _jnp, _vis, naive64
+from conftest import max_err, rand_qkv, weighted_loss
+from test_masks import CASES, SIDES, _jnp, _vis, dense_with, naive64
 
 import jax_fa4
 from jax_fa4.rules.primitives import KernelUnavailableError
@@ -28,22 +28,10 @@ def _attn(kw, cap=CAP):
 
 
 def _loss(fn, shape_out, shape_lse):
-    w = jnp.cos(jnp.arange(np.prod(shape_out), dtype=jnp.float32).reshape(shape_out))
-    wl = jnp.sin(jnp.arange(np.prod(shape_lse), dtype=jnp.float32).reshape(shape_lse))
-
-    def f(q, k, v):
-        o, l = fn(q, k, v)
-        return jnp.sum(o * w) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * wl)
-    return f
+    return weighted_loss(fn, shape_out, shape_lse)
 
 
-# The masks that bound each side and the empty rows (test_masks.py runs them all
-# without the modifier).
-SOME = ["causal_top_left", "lengths_bottom_right", "window_both", "segments_causal_lengths",
-        "everything"]
-
-
-@pytest.mark.parametrize("name", SOME)
+@pytest.mark.parametrize("name", SIDES)
 def test_softcap_forward_and_gradients(name):
     kw = CASES[name]
     q, k, v = rand_qkv(len(name) + 40, B, SQ, SK, HQ, HKV, D, dtype=jnp.float32)
@@ -64,16 +52,7 @@ def test_softcap_forward_and_gradients(name):
     loss = functools.partial(_loss, shape_out=out.shape, shape_lse=lse.shape)
     got = jax.jit(jax.grad(loss(_attn(kw)), argnums=(0, 1, 2)))(q, k, v)
 
-    def dense(q, k, v):
-        from jax_fa4.reference import Masks, attention_dense
-        m = _jnp(kw)
-        masks = Masks(m.get("q_lengths"), m.get("kv_lengths"), m.get("q_segment_ids"),
-                      m.get("kv_segment_ids", m.get("q_segment_ids")))
-        causal = kw.get("causal", False)
-        return attention_dense(q, k, v, scale=SCALE, causal=bool(causal),
-                               bottom_right=causal == "bottom_right", window=kw.get("window"),
-                               masks=masks, softcap=CAP)
-
+    dense = dense_with(kw, SCALE, softcap=CAP)
     want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
     for n, g, h in zip(("dq", "dk", "dv"), got, want):
         assert np.all(np.isfinite(np.asarray(g))), n

@@ -58,6 +58,15 @@ def set_mask_flags(kernel, causal: bool, masked: bool, segments: bool) -> None:
     kernel.segments = segments
 
 
+def _pop_int32(rest: list, what: str):
+    """The first of a call's remaining operands, checked to be int32 (``what`` names
+    it in the error)."""
+    t = rest.pop(0)
+    if const_expr(t.element_type != Int32):
+        raise TypeError(f"{what} must be int32")
+    return t
+
+
 def _pop_mask_operands(kernel, rest: list) -> tuple:
     """(intervals, query ids, key ids) from the front of a call's remaining operands
     as the kernel takes them (None for those it does not), checked to be int32."""
@@ -251,9 +260,7 @@ class FwdCall:
         rest = list(rest)
         mTileCounter = None
         if const_expr(self.takes_tile_counter):
-            mTileCounter = rest.pop(0)
-            if const_expr(mTileCounter.element_type != Int32):
-                raise TypeError("the tile counter must be int32")
+            mTileCounter = _pop_int32(rest, "the tile counter")
         mRanges, mQSeg, mKSeg = _pop_mask_operands(self, rest)
         mO, mLSE = rest
         self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg)
@@ -291,15 +298,10 @@ class BwdMainCall:
     ):
         rest = list(rest)
         if const_expr(self.takes_dq_semaphores):
-            mdQsem = rest.pop(0)
-            if const_expr(mdQsem.element_type != Int32):
-                raise TypeError("the dQ semaphores must be int32")
+            mdQsem = _pop_int32(rest, "the dQ semaphores")
         masks = _pop_mask_operands(self, rest)
         if const_expr(self.takes_dq_semaphores and self.masked):
-            mWalks = rest.pop(0)
-            if const_expr(mWalks.element_type != Int32):
-                raise TypeError("the key blocks' walks must be int32")
-            masks = masks + (mWalks,)
+            masks = masks + (_pop_int32(rest, "the key blocks' walks"),)
         mdK, mdV = rest
         if const_expr(self.takes_dq_semaphores):
             self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,
