@@ -175,7 +175,7 @@ def test_forward_kernels_refuse_sinks_by_name(monkeypatch, caplog, arch):
                                                                               np.int32)))])
 def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
     """On the GPU: the reference forward with sinks, then the backward kernels with
-    its lse; out, lse and every gradient (d sinks included) by the 2x rule against
+    its lse; every gradient (d sinks included), out and lse by the 2x rule against
     the dense reference in float32 and bf16, outputs poisoned."""
     from conftest import assert_close_2x
 
@@ -185,7 +185,8 @@ def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
     q, k, v = rand_qkv(8, b, sq, sk, hq, hkv, d)
     s = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
     fn = jax.jit(jax.value_and_grad(lambda q, k, v, s: _loss(
-        lambda *a: jax_fa4.attention(*a[:3], sinks=a[3], return_lse=True, **_jnp(kw)),
+        lambda *a: jax_fa4.attention(*a[:3], scale=SCALE, sinks=a[3], return_lse=True,
+                                     **_jnp(kw)),
         b, sq, hq, d)(q, k, v, s), argnums=(0, 1, 2, 3)))
     with poison_outputs():
         _, got = fn(q, k, v, s)
@@ -199,3 +200,11 @@ def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
     hi, lo = ref(jnp.float32), ref(jnp.bfloat16)
     for n, g, h, lw in zip(("dq", "dk", "dv", "dsinks"), got, hi, lo):
         assert_close_2x(g, h, lw, atol=2e-3, name=n)
+    with poison_outputs():
+        out, lse = jax.jit(lambda q, k, v, s: jax_fa4.attention(
+            q, k, v, scale=SCALE, sinks=s, return_lse=True, **_jnp(kw)))(q, k, v, s)
+    (hi_out, hi_lse), (lo_out, lo_lse) = (
+        _dense(kw, compute_dtype=t)(q.astype(t), k.astype(t), v.astype(t), s)
+        for t in (jnp.float32, jnp.bfloat16))
+    assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
+    assert_close_2x(lse, hi_lse, lo_lse, atol=1e-3, name="lse")
