@@ -42,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4.api import _check_implementation, _check_qkv, _resolve_scale
+from jax_fa4.api import _check_implementation, _check_qkv, _resolve_scale, _resolve_softcap
 from jax_fa4.config import AttentionConfig
 from jax_fa4.reference import like_inputs
 from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p
@@ -83,11 +83,12 @@ class _Ring:
     scale: float
     implementation: str | None
     deterministic: bool
+    softcap: float | None = None
 
     def config(self, causal: bool) -> AttentionConfig:
         return AttentionConfig(scale=self.scale, causal=causal,
                                implementation=self.implementation,
-                               deterministic=self.deterministic)
+                               deterministic=self.deterministic, softcap=self.softcap)
 
     def rotate(self, *xs, step: int = 1):
         """Each device's arrays to the device ``step`` places on along the ring."""
@@ -273,6 +274,7 @@ def ring_attention(
     causal: bool = False,
     load_balance: str | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -288,7 +290,8 @@ def ring_attention(
       load_balance: None (device r holds positions [r S_local, (r + 1) S_local)) or
         "zigzag" (Note [Zigzag layout]; lay arrays out with :func:`to_zigzag`;
         S_local must be even). Causal only changes the work per device.
-      scale, implementation, deterministic: as in :func:`jax_fa4.attention`.
+      scale, softcap, implementation, deterministic: as in :func:`jax_fa4.attention`
+        (the cap acts on each score, so every hop applies it).
       return_lse: also return the global LSE ``[B, Hq, S_local]`` (float32,
         differentiable).
 
@@ -314,6 +317,6 @@ def ring_attention(
     n = jax.lax.axis_size(axis_name)
     ring = _Ring(axis_name=axis_name, n=int(n), causal=causal, zigzag=zigzag,
                  scale=_resolve_scale(scale, head_dim), implementation=implementation,
-                 deterministic=deterministic)
+                 deterministic=deterministic, softcap=_resolve_softcap(softcap))
     out, lse = _ring(ring, query, key, value)
     return (out, lse) if return_lse else out

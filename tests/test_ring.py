@@ -29,13 +29,13 @@ def mesh():
     return Mesh(np.array(devices[:N]), ("sp",))
 
 
-def _ring_fn(mesh, causal, zigzag, return_lse=True):
+def _ring_fn(mesh, causal, zigzag, return_lse=True, softcap=None):
     spec = P(None, "sp")
 
     def local(q, k, v):
         return jax_fa4.ring_attention(q, k, v, axis_name="sp", causal=causal,
                                       load_balance="zigzag" if zigzag else None,
-                                      return_lse=return_lse, scale=0.3)
+                                      return_lse=return_lse, scale=0.3, softcap=softcap)
 
     out_specs = (spec, P(None, None, "sp")) if return_lse else spec
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs)
@@ -49,15 +49,19 @@ def _local(x, zigzag, axis=1):
     return jax_fa4.to_zigzag(x, N, axis) if zigzag else x
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("zigzag", [False, True])
-def test_ring_equals_single_device(mesh, causal, zigzag):
+@pytest.mark.parametrize("causal,zigzag,softcap", [
+    (False, False, None), (True, False, None), (False, True, None), (True, True, None),
+    (True, True, 1.5)])
+def test_ring_equals_single_device(mesh, causal, zigzag, softcap):
     b, s, hq, hkv, d = 2, 8 * 6, 4, 2, 16  # 6 positions per device: 2 chunks of 3
     q, k, v = rand_qkv(3 + causal + 2 * zigzag, b, s, s, hq, hkv, d, dtype=jnp.float32)
-    ring = jax.jit(_ring_fn(mesh, causal, zigzag))
+    if softcap is not None:
+        q = 4.0 * q  # scores past the cap
+    ring = jax.jit(_ring_fn(mesh, causal, zigzag, softcap=softcap))
     out, lse = ring(*(_local(x, zigzag) for x in (q, k, v)))
     out, lse = _global(out, zigzag), _global(lse, zigzag, axis=2)
-    want_out, want_lse = reference.attention_dense(q, k, v, scale=0.3, causal=causal)
+    want_out, want_lse = reference.attention_dense(q, k, v, scale=0.3, causal=causal,
+                                                   softcap=softcap)
     assert max_err(out, want_out) < 1e-5
     assert max_err(lse, want_lse) < 1e-5
 
@@ -65,11 +69,11 @@ def test_ring_equals_single_device(mesh, causal, zigzag):
     wl = jnp.sin(jnp.arange(b * hq * s, dtype=jnp.float32).reshape(b, hq, s))
 
     def loss_ring(q, k, v):
-        o, l = _ring_fn(mesh, causal, zigzag)(q, k, v)
+        o, l = _ring_fn(mesh, causal, zigzag, softcap=softcap)(q, k, v)
         return jnp.sum(o * _local(w, zigzag)) + jnp.sum(l * _local(wl, zigzag, axis=2))
 
     def loss_ref(q, k, v):
-        o, l = reference.attention_dense(q, k, v, scale=0.3, causal=causal)
+        o, l = reference.attention_dense(q, k, v, scale=0.3, causal=causal, softcap=softcap)
         return jnp.sum(o * w) + jnp.sum(l * wl)
 
     got = jax.jit(jax.grad(loss_ring, argnums=(0, 1, 2)))(*(_local(x, zigzag) for x in (q, k, v)))
