@@ -42,7 +42,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4.api import _check_implementation, _check_qkv, _resolve_scale, _resolve_softcap
+from jax_fa4.api import (
+    _check_implementation,
+    _check_qkv,
+    _check_sinks,
+    _resolve_scale,
+    _resolve_softcap,
+    _sink_gradient,
+)
 from jax_fa4.config import AttentionConfig
 from jax_fa4.reference import like_inputs
 from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p
@@ -240,26 +247,45 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dlse):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def _with_sinks(out, lse, sinks):
+    """The ring's (out, lse) with the sink logits [Hq] in every row's denominator:
+    one more term of the LSE merge, whose value is 0."""
+    o, new = _merge(out.astype(jnp.float32), lse, jnp.zeros(out.shape, jnp.float32),
+                    jnp.broadcast_to(sinks[None, :, None], lse.shape))
+    return o.astype(out.dtype), new
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v):
-    return _ring_forward(ring, q, k, v)
-
-
-def _ring_fwd(ring, q, k, v):
-    q, k, v = (x.value for x in (q, k, v))  # CustomVJPPrimal (symbolic_zeros)
+def _ring(ring: _Ring, q, k, v, sinks):
     out, lse = _ring_forward(ring, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+    return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+
+
+def _ring_fwd(ring, q, k, v, sinks):
+    q, k, v = (x.value for x in (q, k, v))  # CustomVJPPrimal (symbolic_zeros)
+    sinks = None if sinks is None else sinks.value
+    out, lse = _ring_forward(ring, q, k, v)
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
+    return (out, lse), (q, k, v, sinks, out, lse)
 
 
 def _ring_bwd(ring, residuals, cotangents):
     from jax.custom_derivatives import SymbolicZero
 
-    q, k, v, out, lse = residuals
+    q, k, v, sinks, out, lse = residuals
     dout, dlse = cotangents
     if isinstance(dout, SymbolicZero):
         dout = jnp.zeros(out.shape, out.dtype)
     dlse = () if isinstance(dlse, SymbolicZero) else (dlse.astype(jnp.float32),)
-    return _ring_backward(ring, q, k, v, out, lse, dout.astype(out.dtype), dlse)
+    # With sinks, the final lse holds them: each hop's P = exp(S - lse) is then the
+    # right partial, as on one device (api.py: _sink_gradient).
+    grads = _ring_backward(ring, q, k, v, out, lse, dout.astype(out.dtype), dlse)
+    if sinks is None:
+        return (*grads, None)
+    local = _sink_gradient(jnp.broadcast_to(sinks, (q.shape[0], sinks.shape[0])), out, lse,
+                           dout, dlse).sum(0)
+    return (*grads, jax.lax.psum(local, ring.axis_name))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
@@ -275,6 +301,7 @@ def ring_attention(
     load_balance: str | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -292,6 +319,8 @@ def ring_attention(
         S_local must be even). Causal only changes the work per device.
       scale, softcap, implementation, deterministic: as in :func:`jax_fa4.attention`
         (the cap acts on each score, so every hop applies it).
+      sinks: as in :func:`jax_fa4.attention`, the same on every device of the ring
+        (its gradient is summed over the ring).
       return_lse: also return the global LSE ``[B, Hq, S_local]`` (float32,
         differentiable).
 
@@ -318,5 +347,5 @@ def ring_attention(
     ring = _Ring(axis_name=axis_name, n=int(n), causal=causal, zigzag=zigzag,
                  scale=_resolve_scale(scale, head_dim), implementation=implementation,
                  deterministic=deterministic, softcap=_resolve_softcap(softcap))
-    out, lse = _ring(ring, query, key, value)
+    out, lse = _ring(ring, query, key, value, _check_sinks(sinks, int(query.shape[2])))
     return (out, lse) if return_lse else out

@@ -191,3 +191,46 @@ def test_compiled_ring_moves_blocks_by_permutes_only(mesh):
     assert "all-gather" not in text and "all-reduce" not in text
     permutes = text.count("collective-permute(") + text.count("collective-permute-start(")
     assert permutes == 2 * (N - 1) + 2 * (N - 1) + 2 * N, permutes
+
+
+def test_ring_with_sinks(mesh):
+    """Sinks join the ring's LSE merge once: out, lse and every gradient, d sinks
+    (summed over the ring) included, equal one device's."""
+    b, s, hq, hkv, d = 2, 8 * 6, 4, 2, 16
+    q, k, v = rand_qkv(11, b, s, s, hq, hkv, d, dtype=jnp.float32)
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    spec = P(None, "sp")
+
+    def ring(q, k, v, sinks):
+        return jax.shard_map(
+            lambda q, k, v, sinks: jax_fa4.ring_attention(
+                q, k, v, axis_name="sp", causal=True, load_balance="zigzag", scale=0.3,
+                sinks=sinks, return_lse=True),
+            mesh=mesh, in_specs=(spec, spec, spec, P()),
+            out_specs=(spec, P(None, None, "sp")))(q, k, v, sinks)
+
+    def dense(q, k, v, sinks):
+        return reference.attention_dense(q, k, v, scale=0.3, causal=True,
+                                         sinks=jnp.broadcast_to(sinks, (b, hq)))
+
+    w = jnp.cos(jnp.arange(q.size, dtype=jnp.float32).reshape(q.shape))
+    wl = jnp.sin(jnp.arange(b * hq * s, dtype=jnp.float32).reshape(b, hq, s))
+    local = [_local(x, True) for x in (q, k, v)]
+    out, lse = jax.jit(ring)(*local, sinks)
+    want_out, want_lse = dense(q, k, v, sinks)
+    assert max_err(_global(out, True), want_out) < 1e-5
+    assert max_err(_global(lse, True, axis=2), want_lse) < 1e-5
+
+    def loss_ring(q, k, v, sinks):
+        o, l = ring(q, k, v, sinks)
+        return jnp.sum(o * _local(w, True)) + jnp.sum(l * _local(wl, True, axis=2))
+
+    def loss_ref(q, k, v, sinks):
+        o, l = dense(q, k, v, sinks)
+        return jnp.sum(o * w) + jnp.sum(l * wl)
+
+    got = jax.jit(jax.grad(loss_ring, argnums=(0, 1, 2, 3)))(*local, sinks)
+    want = jax.grad(loss_ref, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for name, g, h in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        assert max_err(_global(g, True), h) < 2e-5, name
+    assert max_err(got[3], want[3]) < 1e-4 and float(jnp.max(jnp.abs(want[3]))) > 1e-2
