@@ -15,6 +15,9 @@ Static masks (``window``, ``causal="bottom_right"``) bind into ``attention_fn`` 
 parameters and initialisation, whose call also takes ``q_lengths``, ``kv_lengths``,
 ``q_segment_ids`` and ``kv_segment_ids``.
 
+``MultiHeadAttention(..., sinks=True)`` (nnx) also learns one sink logit per head
+(``jax_fa4.attention``'s ``sinks``), a parameter initialised to 0.
+
 A dense mask, a bias, active dropout or weight sowing (``module``) run Flax's own
 ``dot_product_attention`` instead, logged once, never silently ignored.
 """
@@ -56,6 +59,7 @@ def attention_fn(
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Flax-compatible attention on jax_fa4.
 
@@ -73,6 +77,8 @@ def attention_fn(
         :func:`jax_fa4.attention`, with the batch dims folded into one ``[B]``.
       softcap: the logit cap of :func:`jax_fa4.attention` (bind it with
         ``functools.partial``).
+      sinks: the sink logits ``[heads]`` of :func:`jax_fa4.attention` (the nnx
+        :class:`MultiHeadAttention` with ``sinks=True`` passes its own).
       Other arguments as ``flax.nnx.dot_product_attention``.
 
     Returns:
@@ -83,6 +89,7 @@ def attention_fn(
     kv_lengths = bound.get("kv_lengths", kv_lengths)
     q_segment_ids = bound.get("q_segment_ids", q_segment_ids)
     kv_segment_ids = bound.get("kv_segment_ids", kv_segment_ids)
+    sinks = bound.get("sinks", sinks)
     dropout_active = dropout_rate > 0.0 and not deterministic
     reasons = [
         name
@@ -100,11 +107,11 @@ def attention_fn(
         dt = jnp.result_type(query, key, value)
         query, key, value = (x.astype(dt) for x in (query, key, value))
     masked = any(x is not None for x in (window, q_lengths, kv_lengths, q_segment_ids,
-                                         kv_segment_ids, softcap)) or causal not in (
+                                         kv_segment_ids, softcap, sinks)) or causal not in (
                                              None, False, True)
     if reasons and masked:
         raise ValueError("jax_fa4.flax.attention_fn: lengths, segment ids, windows, causal "
-                         f"modes and softcap do not combine with {', '.join(reasons)}")
+                         f"modes, softcap and sinks do not combine with {', '.join(reasons)}")
     if reasons:
         if implementation == "cute":
             raise ValueError(f"jax_fa4: implementation='cute' cannot take {', '.join(reasons)}")
@@ -124,14 +131,16 @@ def attention_fn(
         fold(query), fold(key), fold(value), causal=is_causal if causal is None else causal,
         window=window, q_lengths=fold_lengths(q_lengths), kv_lengths=fold_lengths(kv_lengths),
         q_segment_ids=fold_ids(q_segment_ids), kv_segment_ids=fold_ids(kv_segment_ids),
-        softcap=softcap, implementation=implementation, deterministic=deterministic_backward,
+        softcap=softcap, sinks=sinks, implementation=implementation,
+        deterministic=deterministic_backward,
     )
     return out.reshape(batch_shape + out.shape[-3:])
 
 
-# The per-batch mask arrays of the module call in progress (MultiHeadAttention,
-# MultiHeadDotProductAttention), read by attention_fn while it is traced: Flax's
-# modules call their attention_fn with a fixed set of arguments.
+# The per-batch mask arrays (and the nnx module's sink logits) of the module call in
+# progress (MultiHeadAttention, MultiHeadDotProductAttention), read by attention_fn
+# while it is traced: Flax's modules call their attention_fn with a fixed set of
+# arguments.
 _bound_masks: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jax_fa4_masks",
                                                                            default=None)
 
@@ -159,15 +168,21 @@ def _modules():
     @_mask_doc
     class MultiHeadAttention(nnx.MultiHeadAttention):
         """``flax.nnx.MultiHeadAttention`` on jax_fa4, whose call takes lengths and
-        segment ids. Same constructor; ``attention_fn`` defaults to jax_fa4's."""
+        segment ids. Same constructor; ``attention_fn`` defaults to jax_fa4's.
+        ``sinks=True``: one more parameter, ``sinks`` ``[num_heads]`` float32 (zeros),
+        the sink logits of every row's softmax (``jax_fa4.attention``'s ``sinks``)."""
 
-        def __init__(self, *args, attention_fn=attention_fn, **kwargs):
+        def __init__(self, *args, attention_fn=attention_fn, sinks: bool = False, **kwargs):
             super().__init__(*args, attention_fn=attention_fn, **kwargs)
+            self.sinks = (nnx.Param(jnp.zeros((self.num_heads,), jnp.float32)) if sinks
+                          else None)
 
         def __call__(self, *args, q_lengths=None, kv_lengths=None, q_segment_ids=None,
                      kv_segment_ids=None, **kwargs):
+            sinks = None if self.sinks is None else self.sinks.value
             with _masks_bound(q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids):
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                              sinks=sinks):
                 return super().__call__(*args, **kwargs)
 
     @_mask_doc

@@ -174,5 +174,27 @@ def test_softcap_binds_into_attention_fn():
     got = ours(x, is_causal=True)  # nnx passes is_causal through
     assert max_err(got, module(direct(1.5))(x, is_causal=True)) < 1e-6
     assert max_err(got, module(direct(None))(x, is_causal=True)) > 1e-3  # the cap counts
-    with pytest.raises(ValueError, match="softcap do not combine with mask"):
+    with pytest.raises(ValueError, match="softcap and sinks do not combine with mask"):
         ours(x, mask=jnp.ones((2, 4, 13, 13), bool))
+
+
+def test_nnx_module_learns_sinks():
+    """MultiHeadAttention(sinks=True): a [num_heads] float32 parameter (zeros) that
+    reaches jax_fa4.attention(sinks=...) and gets a gradient."""
+    common = dict(num_heads=4, in_features=32, qkv_features=32, decode=False)
+    ours = jax_fa4.flax.MultiHeadAttention(**common, sinks=True, rngs=nnx.Rngs(0))
+    assert ours.sinks.value.shape == (4,) and ours.sinks.value.dtype == jnp.float32
+    ours.sinks.value = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    x = jax.random.normal(jax.random.key(6), (2, 13, 32))
+
+    def direct(q, k, v, is_causal, **_):
+        return jax_fa4.attention(q, k, v, causal=is_causal, sinks=ours.sinks.value)
+
+    want = nnx.MultiHeadAttention(**common, attention_fn=direct, rngs=nnx.Rngs(0))
+    got = ours(x, is_causal=True)
+    assert max_err(got, want(x, is_causal=True)) < 1e-6
+    plain = jax_fa4.flax.MultiHeadAttention(**common, rngs=nnx.Rngs(0))
+    assert plain.sinks is None and max_err(got, plain(x, is_causal=True)) > 1e-3
+
+    grads = nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) ** 2))(ours)
+    assert float(jnp.max(jnp.abs(grads.sinks.value))) > 1e-4
