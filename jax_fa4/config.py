@@ -131,6 +131,8 @@ class KernelKey:
     # segment ids too.
     masked: bool = False
     segments: bool = False
+    # fwd: the call takes the sink logits (B, Hq) float32 after the mask operands.
+    sinks: bool = False
 
 
 def dtype_name(dtype) -> str:

@@ -148,12 +148,11 @@ def test_bad_sinks_raise(sinks, err, match):
         jax_fa4.attention(q, k, v, sinks=sinks)
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_forward_kernels_refuse_sinks_by_name(monkeypatch, caplog, arch):
-    """No forward kernel takes sinks yet: lowered for a GPU, the default logs the
-    reference forward and names sinks; implementation="cute" raises."""
+def test_sm100_forward_refuses_sinks_by_name(monkeypatch, caplog):
+    """No sm_100a forward kernel takes sinks yet: lowered for it, the default logs
+    the reference forward and names sinks; implementation="cute" raises."""
     pytest.importorskip("cutlass")
-    monkeypatch.setenv("JAX_FA4_ARCH", arch)
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
     q, k, v = (jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16),) * 3
     s = jax.ShapeDtypeStruct((2,), jnp.float32)
 
@@ -163,10 +162,62 @@ def test_forward_kernels_refuse_sinks_by_name(monkeypatch, caplog, arch):
 
     with caplog.at_level("WARNING", logger="jax_fa4"):
         text = lower(None)
-    assert f"no {arch} forward kernel takes sinks" in caplog.text
+    assert "no sm_100a forward kernel takes sinks" in caplog.text
     assert "CuteDSLRT_NvJaxCutlassCall" not in text  # the reference forward: plain HLO
-    with pytest.raises(KernelUnavailableError, match=f"no {arch} forward kernel takes sinks"):
+    with pytest.raises(KernelUnavailableError, match="no sm_100a forward kernel takes sinks"):
         lower("cute")
+
+
+@pytest.mark.parametrize("d,kw", [(64, dict(causal=True, window=(128, 0))),
+                                  (128, dict(causal=True)), (256, dict())])
+def test_sm90_forward_kernel_takes_sinks(monkeypatch, d, kw):
+    """sm_90a: the forward kernel takes the sink logits, (B, Hq) float32, last, and
+    its build is keyed by them; the step is the four kernel calls."""
+    pytest.importorskip("cutlass")
+    from jax_fa4.rules import kernels_cuda
+
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    calls = []
+    real = kernels_cuda.kernel_call
+
+    def call(key, build, inputs, *args, **kwargs):
+        calls.append((key, [(tuple(x.shape), x.dtype) for x in inputs]))
+        return real(key, build, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
+    q, k, v = (jax.ShapeDtypeStruct((2, 200, 4, d), jnp.bfloat16),) * 3
+    s = jax.ShapeDtypeStruct((4,), jnp.float32)
+    fn = jax.jit(jax.grad(lambda q, k, v, s: jax_fa4.attention(
+        q, k, v, sinks=s, implementation="cute", **kw).astype(jnp.float32).sum(),
+        argnums=(0, 3)))
+    text = fn.trace(q, k, v, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("CuteDSLRT_NvJaxCutlassCall") == 4
+    (key, inputs), = [c for c in calls if c[0].kind == "fwd"]
+    assert key.sinks and inputs[-1] == ((2, 4), jnp.float32)
+
+
+def test_sm90_forward_with_sinks_keeps_registers(tmp_path):
+    """The masked sm_90a forward with sinks (their term joins the denominator in the
+    epilogue): no local memory."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from kernel_compile import dump_options, fwd_structs, lower, read_dump
+
+    from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
+
+    b, sq, sk, hq, hkv, d = 2, 113, 203, 8, 2, 128
+    ins, outs = fwd_structs(b, sq, sk, hq, hkv, d, jnp.bfloat16)
+    cnt = jax.ShapeDtypeStruct((1,), jnp.int32)
+    ins = ins + (cnt, jax.ShapeDtypeStruct((b, sq, 2), jnp.int32),
+                 jax.ShapeDtypeStruct((b, hq), jnp.float32))
+    lower(lambda: make_fwd_sm90(jnp.bfloat16, d, d, False, masked=True, sinks=True),
+          "sm_90a", ins, outs + (cnt,), aliases={3: 2},
+          compile_options=dump_options(tmp_path))
+    sass = read_dump(tmp_path, "sass")
+    if sass is None:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    assert "MUFU.EX2" in sass and not re.search(r"\b(LDL|STL)\b", sass)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from typing import Any
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32, const_expr, cute
+from cutlass import Float32, Int32, const_expr, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -241,11 +241,13 @@ class FwdCall:
     After V, in this order: a kernel with ``takes_tile_counter`` (the sm90 causal
     persistent forward) takes a (1,) int32 tile counter, zero at launch; a
     ``masked`` one each query's key interval, (B, Sq, 2) int32; one with
-    ``segments`` the query and key segment ids, (B, Sq) and (B, Sk) int32."""
+    ``segments`` the query and key segment ids, (B, Sq) and (B, Sk) int32; one with
+    ``sinks`` the sink logits, (B, Hq) float32, passed to ``launch`` last."""
 
     takes_tile_counter = False
     masked = False
     segments = False
+    sinks = False
 
     @cute.jit
     def __call__(
@@ -262,8 +264,13 @@ class FwdCall:
         if const_expr(self.takes_tile_counter):
             mTileCounter = _pop_int32(rest, "the tile counter")
         mRanges, mQSeg, mKSeg = _pop_mask_operands(self, rest)
+        sinks = ()
+        if const_expr(self.sinks):
+            sinks = (rest.pop(0),)
+            if const_expr(sinks[0].element_type != Float32):
+                raise TypeError("the sink logits must be float32")
         mO, mLSE = rest
-        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg)
+        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg, *sinks)
 
 
 class BwdMainCall:

@@ -322,12 +322,14 @@ class FlashFwdSm90(FwdCall):
         (rules/ranges.py), which carries every mask (causal must then be False).
     segments: with ``masked``: the call also takes the query and key segment ids,
         (B, Sq) and (B, Sk) int32, compared where a document is not contiguous.
+    sinks: the call also takes the sink logits, (B, Hq) float32, one more term of
+        every row's softmax denominator (``OnlineSoftmax.finalize``).
     """
 
     def __init__(self, dtype: Any, head_dim: int, head_dim_v: int | None = None,
                  causal: bool = False, softmax_scale: float | None = None,
                  tiles: Sm90FwdTiles | None = None, masked: bool = False,
-                 segments: bool = False):
+                 segments: bool = False, sinks: bool = False):
         self.dtype = as_cutlass_dtype(dtype, "sm90 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -335,6 +337,7 @@ class FlashFwdSm90(FwdCall):
             raise ValueError("head dims must be multiples of 16")
         self.causal = causal
         set_mask_flags(self, causal, masked, segments)
+        self.sinks = sinks
         # Tiles of unequal cost: launched (or handed out) longest first.
         self.lpt = causal or masked
         self.softmax_scale = (
@@ -376,7 +379,7 @@ class FlashFwdSm90(FwdCall):
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None = None,
                mRanges: cute.Tensor | None = None, mQSeg: cute.Tensor | None = None,
-               mKSeg: cute.Tensor | None = None):
+               mKSeg: cute.Tensor | None = None, mSinks: cute.Tensor | None = None):
         """The host side of ``FwdCall.__call__``: the tensors as it takes them, the
         dynamic scheduler's (1,) int32 tile counter (zero at launch) or None, and
         with ``masked`` the key intervals (and with ``segments`` the ids)."""
@@ -472,6 +475,7 @@ class FlashFwdSm90(FwdCall):
             mRanges,
             mQSeg,
             mKSeg,
+            mSinks,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -499,6 +503,7 @@ class FlashFwdSm90(FwdCall):
         mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
+        mSinks: cute.Tensor | None,  # (B, Hq) f32 sink logits (sinks only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -629,8 +634,8 @@ class FlashFwdSm90(FwdCall):
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
             # What every tile's ``consume`` takes before the pipeline states.
-            consume_ops = (mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                           pipe_q, pipe_k, pipe_v)
+            consume_ops = (mO, mLSE, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+                           tiled_mma_pv, pipe_q, pipe_k, pipe_v)
             masks = (mRanges, mQSeg, mKSeg)
             if cutlass.const_expr(self.persistent):
                 # Warpgroup 1 takes the first GEMM turn (ping-pong); the turns then
@@ -922,6 +927,7 @@ class FlashFwdSm90(FwdCall):
         self,
         mO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
         mLSE: cute.Tensor,  # (Sq, Hq, B)
+        mSinks: cute.Tensor | None,  # (B, Hq) f32 (sinks only)
         sQ: cute.Tensor,  # (tile_m, D)
         sK: cute.Tensor,  # (tile_n, D, stages)
         sV: cute.Tensor,  # (tile_n, Dv, stages)
@@ -1111,7 +1117,10 @@ class FlashFwdSm90(FwdCall):
         self._release(pipe_v, state)
         state.advance()
 
-        inv_sum, lse = softmax.finalize()
+        sink_log2 = None
+        if cutlass.const_expr(self.sinks):
+            sink_log2 = mSinks[batch, head] * LOG2_E
+        inv_sum, lse = softmax.finalize(sink_log2)
         rescale_rows(acc_O, inv_sum)
         self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head,
                       batch, seqlen_q)
@@ -1238,7 +1247,7 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
 def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
                   causal: bool = False, softmax_scale: float | None = None,
                   tiles: Sm90FwdTiles | None = None, masked: bool = False,
-                  segments: bool = False) -> FlashFwdSm90:
+                  segments: bool = False, sinks: bool = False) -> FlashFwdSm90:
     """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
     where its tiles make it the causal (or masked) persistent kernel, which takes
     the tile counter operand, else ``FlashFwdSm90``."""
@@ -1246,4 +1255,4 @@ def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
     t = tiles or fwd_tiles(head_dim, hv, causal, masked)
     cls = FlashFwdSm90Dynamic if t.persistent and (causal or masked) else FlashFwdSm90
     return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t, masked=masked,
-               segments=segments)
+               segments=segments, sinks=sinks)

@@ -175,22 +175,36 @@ class OnlineSoftmax:
         return row.load(), total
 
     @cute.jit
-    def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
+    def finalize(self, sink_log2=None) -> tuple[cute.Tensor, cute.Tensor]:
         """Return (1 / row_sum, lse) per row; lse is natural-log, scaled logits.
 
         A row with no unmasked key (sum 0) gets scale 0 and lse -inf, so its O is
-        0 instead of NaN.
+        0 instead of NaN. ``sink_log2``: the rows' sink logit in log2 units, one
+        more term of the denominator (Note [Sinks in the denominator]); a row with
+        no key then has O 0 and lse the sink.
         """
         inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
-            empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
-            inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
             m = self.row_max[r]
             m_safe = Float32(0.0) if m == -Float32.inf else m
-            log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
-            lse[r] = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
+            if cutlass.const_expr(sink_log2 is None):
+                empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
+                inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+                log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
+                lse[r] = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
+            else:
+                # Note [Sinks in the denominator]: the sum and O are relative to the
+                # row's reference max m; against top = max(m, sink) neither the
+                # sink's term nor the sum can overflow, and a row with no key (m =
+                # -inf) keeps nothing of its (zero) sum.
+                m2 = -Float32.inf if m == -Float32.inf else m_safe * self.scale_log2
+                top = cute.arch.fmax(m2, sink_log2)
+                keep = cute.math.exp2(m2 - top, fastmath=True)
+                total = total * keep + cute.math.exp2(sink_log2 - top, fastmath=True)
+                inv_sum[r] = keep * cute.arch.rcp_approx(total)
+                lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
         return inv_sum, lse
 
 

@@ -71,7 +71,7 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
         return jnp.zeros((b, sq, hq, dv), q.dtype), jnp.zeros((b, hq, sq), jnp.float32)
     plan = fwd_plan(arch, dtype_name(q.dtype), q.shape[-1], dv, bool(config.causal),
-                    float(config.scale), config.masked, config.segments)
+                    float(config.scale), config.masked, config.segments, config.sinks)
     inputs, in_static = (q, k, v), (_BSHD, _BSHD, _BSHD)
     outs = (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
@@ -84,6 +84,8 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     if config.masked:
         ops, static = _mask_operands(config, masks, q, k, keys=False)
         inputs, in_static = inputs + ops, in_static + static
+    if config.sinks:  # the last operand: the sink logits (B, Hq) float32
+        inputs, in_static = inputs + (masks[-1].astype(jnp.float32),), in_static + ((),)
     out, lse = kernel_call(plan.key, plan.build, inputs, outs, in_static=in_static,
                            out_static=out_static, aliases=aliases)[:2]
     return out, lse

@@ -45,6 +45,8 @@ class FwdPlan:
         else:
             raise NotImplementedError(f"no forward kernel for {k.arch}")
         extra = {"masked": True, "segments": k.segments} if k.masked else {}
+        if k.sinks:
+            extra["sinks"] = True
         return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                     **extra)
 
@@ -126,14 +128,16 @@ class BwdPlan:
 
 @functools.cache
 def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-             scale: float, masked: bool = False, segments: bool = False) -> FwdPlan:
+             scale: float, masked: bool = False, segments: bool = False,
+             sinks: bool = False) -> FwdPlan:
     """``masked``: the kernel takes key intervals that carry every mask, causal
-    included (``causal`` is then ignored); ``segments``: and the segment ids."""
+    included (``causal`` is then ignored); ``segments``: and the segment ids;
+    ``sinks``: and the sink logits."""
     if masked:
         causal = False
     key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
                     head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
-                    segments=segments)
+                    segments=segments, sinks=sinks)
     counter = False
     if arch == "sm_90a":
         from jax_fa4.kernels.sm90_fwd import fwd_tiles
