@@ -7,8 +7,6 @@ batch / head sharding rule; argument errors; the forward kernels' refusal."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from test_masks import CASES, SIDES, _jnp, _vis, dense_with
 
 import jax_fa4
-from jax_fa4.rules.primitives import KernelUnavailableError
 
 B, SQ, SK, HQ, HKV, D = 3, 37, 45, 4, 2, 16
 SCALE = 0.4
@@ -148,35 +145,18 @@ def test_bad_sinks_raise(sinks, err, match):
         jax_fa4.attention(q, k, v, sinks=sinks)
 
 
-def test_sm100_forward_refuses_sinks_by_name(monkeypatch, caplog):
-    """No sm_100a forward kernel takes sinks yet: lowered for it, the default logs
-    the reference forward and names sinks; implementation="cute" raises."""
-    pytest.importorskip("cutlass")
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
-    q, k, v = (jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16),) * 3
-    s = jax.ShapeDtypeStruct((2,), jnp.float32)
-
-    def lower(implementation):
-        fn = jax.jit(functools.partial(jax_fa4.attention, implementation=implementation))
-        return fn.trace(q, k, v, sinks=s).lower(lowering_platforms=("cuda",)).as_text()
-
-    with caplog.at_level("WARNING", logger="jax_fa4"):
-        text = lower(None)
-    assert "no sm_100a forward kernel takes sinks" in caplog.text
-    assert "CuteDSLRT_NvJaxCutlassCall" not in text  # the reference forward: plain HLO
-    with pytest.raises(KernelUnavailableError, match="no sm_100a forward kernel takes sinks"):
-        lower("cute")
-
-
-@pytest.mark.parametrize("d,kw", [(64, dict(causal=True, window=(128, 0))),
-                                  (128, dict(causal=True)), (256, dict())])
-def test_sm90_forward_kernel_takes_sinks(monkeypatch, d, kw):
-    """sm_90a: the forward kernel takes the sink logits, (B, Hq) float32, last, and
-    its build is keyed by them; the step is the four kernel calls."""
+@pytest.mark.parametrize("arch,d,kw", [("sm_90a", 64, dict(causal=True, window=(128, 0))),
+                                       ("sm_90a", 128, dict(causal=True)),
+                                       ("sm_90a", 256, dict()),
+                                       ("sm_100a", 128, dict(causal=True))])
+def test_forward_kernels_take_sinks(monkeypatch, arch, d, kw):
+    """The forward kernel takes the sink logits, (B, Hq) float32, last, and its build
+    is keyed by them; the step is the four kernel calls (sm_100a: compiled, not run
+    on hardware)."""
     pytest.importorskip("cutlass")
     from jax_fa4.rules import kernels_cuda
 
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
     calls = []
     real = kernels_cuda.kernel_call
 

@@ -80,7 +80,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.mask import BlockRange, edge_walk, keep_inside
-from jax_fa4.kernels.softmax import RESCALE_THRESHOLD
+from jax_fa4.kernels.softmax import RESCALE_THRESHOLD, finalize_with_sink
 
 logger = logging.getLogger(__name__)
 
@@ -234,12 +234,14 @@ class FlashFwdSm100(FwdCall):
         tiles: Sm100FwdTiles | None = None,
         masked: bool = False,
         segments: bool = False,
+        sinks: bool = False,
     ):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.causal = causal
         set_mask_flags(self, causal, masked, segments)
+        self.sinks = sinks
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )
@@ -269,9 +271,10 @@ class FlashFwdSm100(FwdCall):
     @cute.jit
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter=None, mRanges=None, mQSeg=None,
-               mKSeg=None):
+               mKSeg=None, mSinks=None):
         """The host side of ``FwdCall.__call__``, with the tensors as it takes them (no
-        tile counter; with ``masked`` the key intervals, with ``segments`` the ids)."""
+        tile counter; with ``masked`` the key intervals, with ``segments`` the ids,
+        with ``sinks`` the sink logits (B, Hq) f32)."""
         for t in (mQ, mK, mV, mO):
             if cutlass.const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -363,6 +366,7 @@ class FlashFwdSm100(FwdCall):
             mRanges,
             mQSeg,
             mKSeg,
+            mSinks,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -389,6 +393,7 @@ class FlashFwdSm100(FwdCall):
         mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
+        mSinks: cute.Tensor | None,  # (B, Hq) f32 sink logits (sinks only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -499,7 +504,7 @@ class FlashFwdSm100(FwdCall):
             cute.arch.setmaxregister_decrease(self.tiles.correction_regs)
             self.correction(
                 tmem, tmem_free_bar, tiled_mma_pv, row_scale, row_sum, row_max, sO, mLSE,
-                mbar, m_block, head, batch, seqlen_q, n_blocks,
+                mSinks, mbar, m_block, head, batch, seqlen_q, n_blocks,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_decrease(self.tiles.other_regs)
@@ -1009,6 +1014,7 @@ class FlashFwdSm100(FwdCall):
         row_max: cute.Tensor,  # (tile_m, 2) f32 SMEM
         sO: cute.Tensor,  # (tile_m, Dv, 2) SMEM, aliases sQ
         mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        mSinks: cute.Tensor | None,  # (B, Hq) f32 (sinks only)
         mbar: cute.Pointer,
         m_block: Int32,
         head: Int32,
@@ -1088,9 +1094,13 @@ class FlashFwdSm100(FwdCall):
             m_ref = row_max[row, tile]
             cute.arch.mbarrier_wait(mbar + _O_DONE + tile, (n_blocks - 1) % 2)
             _tcgen05_fence_after_sync()
-            # A row without a visible key (sum 0) gets O = 0 and LSE = -inf.
-            empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
-            inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            if cutlass.const_expr(self.sinks):
+                inv, lse = finalize_with_sink(total, m_ref, self.scale_log2,
+                                              mSinks[batch, head] * LOG2_E)
+            else:
+                # A row without a visible key (sum 0) gets O = 0 and LSE = -inf.
+                empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
+                inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
             sO_i = sO[None, None, tile]
             for k in cutlass.range_constexpr(n_chunks):
                 cute.copy(thr_ld, self._o_chunk(tOsrc, tile, k), rO)
@@ -1107,9 +1117,10 @@ class FlashFwdSm100(FwdCall):
                         cute.local_tile(sO_row, (8,), (k * (chunk // 8) + g,)),
                     )
             row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
-            m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
-            log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
-            lse = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
+            if cutlass.const_expr(not self.sinks):
+                m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
+                log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
+                lse = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
             if row_global < seqlen_q:
                 mLSE[row_global, head, batch] = lse
             # Generic-proxy SMEM writes must be visible to the TMA store.

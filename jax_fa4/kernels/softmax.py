@@ -195,17 +195,25 @@ class OnlineSoftmax:
                 log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
                 lse[r] = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
             else:
-                # Note [Sinks in the denominator]: the sum and O are relative to the
-                # row's reference max m; against top = max(m, sink) neither the
-                # sink's term nor the sum can overflow, and a row with no key (m =
-                # -inf) keeps nothing of its (zero) sum.
-                m2 = -Float32.inf if m == -Float32.inf else m_safe * self.scale_log2
-                top = cute.arch.fmax(m2, sink_log2)
-                keep = cute.math.exp2(m2 - top, fastmath=True)
-                total = total * keep + cute.math.exp2(sink_log2 - top, fastmath=True)
-                inv_sum[r] = keep * cute.arch.rcp_approx(total)
-                lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
+                inv_sum[r], lse[r] = finalize_with_sink(total, m, self.scale_log2, sink_log2)
         return inv_sum, lse
+
+
+@cute.jit
+def finalize_with_sink(total: Float32, m: Float32, scale_log2: float, sink_log2: Float32):
+    """(O's row scale, lse) of a row whose softmax denominator also holds a sink
+    logit (``sink_log2`` in log2 units): ``total`` is the row's sum of P and O its
+    accumulator, both relative to the row's reference max ``m`` (raw units).
+
+    Note [Sinks in the denominator]: against top = max(m * scale_log2, sink) neither
+    the sink's term nor the sum can overflow, and a row with no key (m = -inf)
+    keeps nothing of its (zero) sum: its O is 0 and its lse the sink.
+    """
+    m2 = -Float32.inf if m == -Float32.inf else m * scale_log2
+    top = cute.arch.fmax(m2, sink_log2)
+    keep = cute.math.exp2(m2 - top, fastmath=True)
+    total = total * keep + cute.math.exp2(sink_log2 - top, fastmath=True)
+    return keep * cute.arch.rcp_approx(total), (top + cute.math.log2(total, fastmath=True)) * LN_2
 
 
 @cute.jit
