@@ -1,7 +1,8 @@
-"""Masked attention speed: jax_fa4's masked kernels against flash-attn-4 (PyTorch) and
-cuDNN (jax.nn.dot_product_attention) where they take the same mask, all in one
-process, timed as bench_attention.py times (alternating rounds, settling, medians;
-see its docstring). bf16, hidden 2048 (16 heads of 128).
+"""Masked and modified attention speed: jax_fa4's kernels against flash-attn-4
+(PyTorch) and cuDNN (jax.nn.dot_product_attention) where they take the same mask and
+score modifier, all in one process, timed as bench_attention.py times (alternating
+rounds, settling, medians; see its docstring). bf16, hidden 2048 (16 heads of 128
+unless a row says otherwise).
 
 Cases (the masks issue's rows):
   lengths      B=2 x 8k, causal, key lengths (8192, 4096)      vs cuDNN
@@ -11,6 +12,8 @@ Cases (the masks issue's rows):
                (cu_seqlens) and jax_fa4's plain causal over the whole rows
   chunk        Sq = 1k queries against Sk = 8k keys, B=2,       vs flash-attn-4 causal
                bottom-right causal (chunked prefill)            (its causal is bottom-right)
+  sinks        B=2 x 8k, 32 query heads of 64 on 4 KV heads,    vs flash-attn-4
+               causal, window (128, 0), sinks (GPT-OSS's shape) (learnable_sink)
 
 TFLOP/s count the visible (query, key) pairs: forward 4 * H * D * pairs, backward 2.5x.
 Writes bench_masks_<date>.csv to --out (default ./bench_out).
@@ -65,11 +68,15 @@ class Case:
     doc: int = 0
     # Also time jax_fa4 with plain causal on the same shape ("plain").
     plain: bool = False
+    heads: int = HEADS
+    kv_heads: int = HEADS
+    hdim: int = HDIM
 
 
 def cases() -> list[Case]:
     docs = np.repeat(np.arange(8, dtype=np.int32), 1024)[None].repeat(2, 0)
     lengths = np.array([8192, 4096], np.int32)
+    sinks = np.linspace(-1.0, 2.0, 32, dtype=np.float32)
     return [
         Case("lengths", 2, 8192, 8192, dict(causal=True, kv_lengths=lengths),
              cudnn=dict(is_causal=True, key_value_seq_lengths=lengths)),
@@ -83,6 +90,10 @@ def cases() -> list[Case]:
              doc=1024, plain=True),
         Case("chunk", 2, 1024, 8192, dict(causal="bottom_right"), fa4="func",
              fa4_kwargs=dict(causal=True)),
+        Case("sinks", 2, 8192, 8192, dict(causal=True, window=(128, 0), sinks=sinks),
+             fa4="func", fa4_kwargs=dict(causal=True, window_size=(128, 0),
+                                         learnable_sink=sinks),
+             heads=32, kv_heads=4, hdim=64),
     ]
 
 
@@ -138,6 +149,8 @@ def prepare_fa4(c: Case, q, k, v) -> Prepared:
         func = interface.flash_attn_varlen_func
     else:
         kw, func = dict(c.fa4_kwargs), interface.flash_attn_func
+        kw = {n: torch.from_numpy(x).cuda() if isinstance(x, np.ndarray) else x
+              for n, x in kw.items()}
     for t in (tq, tk, tv):
         t.requires_grad_(True)
 
@@ -175,8 +188,9 @@ def main(argv=None):
     rows = []
     for i, c in enumerate(chosen):
         kq, kk, kv = jax.random.split(jax.random.key(i), 3)
-        q = jax.random.normal(kq, (c.b, c.sq, HEADS, HDIM), jnp.bfloat16)
-        k, v = (jax.random.normal(x, (c.b, c.sk, HEADS, HDIM), jnp.bfloat16) for x in (kk, kv))
+        q = jax.random.normal(kq, (c.b, c.sq, c.heads, c.hdim), jnp.bfloat16)
+        k, v = (jax.random.normal(x, (c.b, c.sk, c.kv_heads, c.hdim), jnp.bfloat16)
+                for x in (kk, kv))
         # Mask arrays are arguments of the timed functions, as in a training step
         # that gets them with its batch: their passes to the kernels' intervals
         # are timed with the attention.
@@ -206,8 +220,8 @@ def main(argv=None):
         for name, (tf, tb, mem, rf, rb) in results.items():
             rows.append(dict(case=c.name, impl=name, batch=c.b, seqlen_q=c.sq, seqlen_k=c.sk,
                              fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
-                             fwd_tflops=4.0 * HEADS * HDIM * pairs / tf / 1e12,
-                             bwd_tflops=10.0 * HEADS * HDIM * pairs / tb / 1e12,
+                             fwd_tflops=4.0 * c.heads * c.hdim * pairs / tf / 1e12,
+                             bwd_tflops=10.0 * c.heads * c.hdim * pairs / tb / 1e12,
                              temp_mib=mem.get("temp_mib"), peak_mib=mem.get("peak_mib"),
                              fwd_range=rf, bwd_range=rb))
         del preps

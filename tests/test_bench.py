@@ -262,3 +262,5 @@ def test_masked_cases_count_their_visible_pairs():
     # Causal window (1024, 0): each query sees itself and up to 1024 keys before.
     assert bm.visible_pairs(cases["window8k"]) == 2 * sum(min(i, 1024) + 1
                                                           for i in range(8192))
+    # GPT-OSS's window (128, 0); sinks add no pair.
+    assert bm.visible_pairs(cases["sinks"]) == 2 * sum(min(i, 128) + 1 for i in range(8192))

@@ -203,11 +203,14 @@ def test_sm90_forward_with_sinks_keeps_registers(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,kw", [(64, dict(causal=True, window=(128, 0))),
                                   (128, dict(causal=True, kv_lengths=np.array([300, 0],
-                                                                              np.int32)))])
-def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
-    """On the GPU: the reference forward with sinks, then the backward kernels with
-    its lse; every gradient (d sinks included), out and lse by the 2x rule against
-    the dense reference in float32 and bf16, outputs poisoned."""
+                                                                              np.int32))),
+                                  (128, dict(causal=True)),
+                                  (256, dict()),
+                                  (64, dict(causal=True, deterministic=True))])
+def test_gpu_kernels_with_sinks(d, kw):
+    """On the GPU, kernels only (``implementation="cute"``): the forward with sinks,
+    the backward with its lse; every gradient (d sinks included), out and lse by
+    the 2x rule against the dense reference in float32 and bf16, outputs poisoned."""
     from conftest import assert_close_2x
 
     from jax_fa4.ffi import poison_outputs
@@ -217,7 +220,7 @@ def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
     s = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32)
     fn = jax.jit(jax.value_and_grad(lambda q, k, v, s: _loss(
         lambda *a: jax_fa4.attention(*a[:3], scale=SCALE, sinks=a[3], return_lse=True,
-                                     **_jnp(kw)),
+                                     implementation="cute", **_jnp(kw)),
         b, sq, hq, d)(q, k, v, s), argnums=(0, 1, 2, 3)))
     with poison_outputs():
         _, got = fn(q, k, v, s)
@@ -233,7 +236,8 @@ def test_gpu_backward_kernels_take_sinks_through_the_lse(d, kw):
         assert_close_2x(g, h, lw, atol=2e-3, name=n)
     with poison_outputs():
         out, lse = jax.jit(lambda q, k, v, s: jax_fa4.attention(
-            q, k, v, scale=SCALE, sinks=s, return_lse=True, **_jnp(kw)))(q, k, v, s)
+            q, k, v, scale=SCALE, sinks=s, return_lse=True, implementation="cute",
+            **_jnp(kw)))(q, k, v, s)
     (hi_out, hi_lse), (lo_out, lo_lse) = (
         _dense(kw, compute_dtype=t)(q.astype(t), k.astype(t), v.astype(t), s)
         for t in (jnp.float32, jnp.bfloat16))
