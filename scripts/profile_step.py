@@ -74,9 +74,9 @@ def run_case(impl: str, name: str, steps: int) -> None:
 
     c = next(c for c in bench_masks.cases() if c.name == name)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(ks[0], (c.b, c.sq, bench_masks.HEADS, bench_masks.HDIM), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (c.b, c.sk, bench_masks.HEADS, bench_masks.HDIM),
-                              jnp.bfloat16) for kk in ks[1:3])
+    q = jax.random.normal(ks[0], (c.b, c.sq, c.heads, c.hdim), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (c.b, c.sk, c.kv_heads, c.hdim), jnp.bfloat16)
+            for kk in ks[1:3])
     if impl == "fa4":
         import torch
 
