@@ -14,6 +14,7 @@ Cases (the masks issue's rows):
                bottom-right causal (chunked prefill)            (its causal is bottom-right)
   sinks        B=2 x 8k, 32 query heads of 64 on 4 KV heads,    vs flash-attn-4
                causal, window (128, 0), sinks (GPT-OSS's shape) (learnable_sink)
+  softcap      B=2 x 8k, causal, softcap 30 (Gemma 2)           vs flash-attn-4 (softcap)
 
 TFLOP/s count the visible (query, key) pairs: forward 4 * H * D * pairs, backward 2.5x.
 Writes bench_masks_<date>.csv to --out (default ./bench_out).
@@ -94,6 +95,8 @@ def cases() -> list[Case]:
              fa4="func", fa4_kwargs=dict(causal=True, window_size=(128, 0),
                                          learnable_sink=sinks),
              heads=32, kv_heads=4, hdim=64),
+        Case("softcap", 2, 8192, 8192, dict(causal=True, softcap=30.0), fa4="func",
+             fa4_kwargs=dict(causal=True, softcap=30.0)),
     ]
 
 

@@ -133,6 +133,12 @@ class KernelKey:
     segments: bool = False
     # fwd: the call takes the sink logits (B, Hq) float32 after the mask operands.
     sinks: bool = False
+    # fwd / bwd: scaled logits capped to c * tanh(s / c) (Note [Softcap in the
+    # kernels]); None: no softcap.
+    softcap: float | None = None
+    # fwd: query heads per KV head packed into one tile's rows (Note [Packed GQA] in
+    # kernels/sm90_fwd.py); 1: none.
+    pack_gqa: int = 1
 
 
 def dtype_name(dtype) -> str:

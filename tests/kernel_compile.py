@@ -214,6 +214,7 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
     from jax_fa4.kernels.sm100_fwd import FlashFwdSm100
+    from jax_fa4.rules.plan import fwd_plan
 
     b, sq, sk, hq, hkv = shape
     sds = jax.ShapeDtypeStruct
@@ -223,6 +224,11 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     if direction == "fwd":
         ins, outs = fwd_structs(*shape, head_dim, dtype)
         if arch == "sm_90a":
+            # The query heads of a KV head packed into the tiles, as the plan has it
+            # (Note [Packed GQA]).
+            kw["pack_gqa"] = fwd_plan(arch, jnp.dtype(dtype).name, head_dim, head_dim, False,
+                                      1.0, masked=True, group=hq // hkv).key.pack_gqa
+
             def make():
                 return make_fwd_sm90(dtype, head_dim, head_dim, False, **kw)
         else:

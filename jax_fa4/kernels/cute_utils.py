@@ -15,6 +15,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.kernels.softmax import score_scales
+
 
 def as_cutlass_dtype(dtype: Any, kernel: str) -> type[cutlass.Numeric]:
     """Accept cutlass types, numpy/jax dtypes or their names (bf16 and fp16 only)."""
@@ -29,10 +31,11 @@ def as_cutlass_dtype(dtype: Any, kernel: str) -> type[cutlass.Numeric]:
 
 def init_bwd_kernel(kernel, name: str, dtype, head_dim: int, head_dim_v: int | None,
                     head_dims: tuple[int, ...], causal: bool,
-                    softmax_scale: float | None) -> None:
+                    softmax_scale: float | None, softcap: float | None = None) -> None:
     """Check and store what every backward main kernel takes: dtype (bf16/fp16),
-    head_dim == head_dim_v in ``head_dims``, the mask and the softmax scale
-    (default 1 / sqrt(head_dim))."""
+    head_dim == head_dim_v in ``head_dims``, the mask, the softmax scale (default
+    1 / sqrt(head_dim)) and the softcap (``score_scales``: ``cap_in``, and
+    ``scale_log2``, the factor of P's exponent)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if dtype not in (cutlass.BFloat16, cutlass.Float16):
         raise TypeError(f"{name} needs bf16 or fp16, got {dtype}")
@@ -45,6 +48,8 @@ def init_bwd_kernel(kernel, name: str, dtype, head_dim: int, head_dim_v: int | N
     kernel.causal = causal
     kernel.softmax_scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
                             else float(softmax_scale))
+    kernel.softcap = softcap
+    kernel.cap_in, kernel.scale_log2 = score_scales(kernel.softmax_scale, softcap)
 
 
 def set_mask_flags(kernel, causal: bool, masked: bool, segments: bool) -> None:
@@ -81,6 +86,24 @@ def _pop_mask_operands(kernel, rest: list) -> tuple:
 def permute(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     """Re-view a tensor with its modes reordered (no data movement)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def pack_rows(t: cute.Tensor, group: int, row_mode: int, head_mode: int | None) -> cute.Tensor:
+    """Re-view a tensor whose modes ``row_mode`` (positions) and ``head_mode`` (query
+    heads, ``group`` per KV head, a group's heads adjacent) become ((group,
+    positions), KV heads): row r of a KV head is position r // group of its query
+    head r % group (Note [Packed GQA] in sm90_fwd.py). Without a head mode the
+    positions repeat ``group`` times (stride 0): per-position data (key intervals,
+    segment ids) read by packed rows."""
+    shape, stride = list(t.shape), list(t.stride)
+    head_stride = 0
+    if head_mode is not None:
+        head_stride = stride[head_mode]
+        shape[head_mode] = shape[head_mode] // group
+        stride[head_mode] = head_stride * group
+    shape[row_mode] = (group, shape[row_mode])
+    stride[row_mode] = (head_stride, stride[row_mode])
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
 
 
 def transpose_smem(t: cute.Tensor) -> cute.Tensor:
@@ -126,9 +149,15 @@ def convert_to_operand_a(acc: cute.Tensor, frag_a: cute.Tensor, dtype) -> None:
     tile_n 80) went element-wise, and ptxas then placed the packing moves between
     the consuming wgmmas and serialised them (C7519).
     """
-    view = acc_as_operand_a(acc)
     for k in range(cute.size(frag_a, mode=[2])):  # traced inline: a static Python loop
-        frag_a[None, None, k].store(view[None, None, k].load().to(dtype))
+        convert_slice_to_operand_a(acc, frag_a, dtype, k)
+
+
+def convert_slice_to_operand_a(acc: cute.Tensor, frag_a: cute.Tensor, dtype, k: int) -> None:
+    """``convert_to_operand_a`` of k16 slice ``k`` alone: the accumulator's columns
+    4k .. 4k + 3 in its ``acc_mn_view``."""
+    view = acc_as_operand_a(acc)
+    frag_a[None, None, k].store(view[None, None, k].load().to(dtype))
 
 
 @dsl_user_op

@@ -67,7 +67,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 
-from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     BwdMainCall,
     DqSemaphoreCall,
@@ -82,6 +81,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.mask import BlockRange, keep_inside
+from jax_fa4.kernels.softmax import cap_scores
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,8 @@ class FlashBwdSm100(BwdMainCall):
       masked: the call takes each key's interval of seeing queries (rules/ranges.py),
         which carries every mask (causal must then be False); segments: and the
         segment ids, compared where a document is not contiguous.
+      softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
+        kernels] in softmax.py); None for none.
     """
 
     def __init__(
@@ -196,10 +198,11 @@ class FlashBwdSm100(BwdMainCall):
         deterministic: bool = False,
         masked: bool = False,
         segments: bool = False,
+        softcap: float | None = None,
     ):
         self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
-                        softmax_scale)
+                        softmax_scale, softcap)
         set_mask_flags(self, causal, masked, segments)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
@@ -717,7 +720,7 @@ class FlashBwdSm100(BwdMainCall):
         tm, tn = self.tile_m, self.tile_n
         half = tm // 2
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        scale_log2 = self.softmax_scale * LOG2_E
+        scale_log2 = self.scale_log2
 
         tS = self._tmem_acc(mma_s, tmem_ptr, self.tmem_s, (tn, tm))
         tdP = self._tmem_acc(mma_dp, tmem_ptr, self.tmem_dp, (tn, tm))
@@ -795,6 +798,13 @@ class FlashBwdSm100(BwdMainCall):
             cute.arch.fence_view_async_tmem_load()
             pipe_s.consumer_release(s_state)
             s_state.advance()
+            rT = None
+            if const_expr(self.cap_in is not None):
+                # t = tanh(q.k scale / c), kept for dS's 1 - t^2 (Note [Softcap in the
+                # kernels]); finite, so a P the masks zero below stays 0 in dS.
+                cap_scores(rS, self.cap_in)
+                rT = cute.make_fragment_like(rS, Float32)
+                rT.store(rS.load())
 
             # P = exp2(S * scale * log2(e) - LSElog2), two columns per packed FMA.
             rNegLSE = cute.make_rmem_tensor((half,), Float32)
@@ -823,6 +833,13 @@ class FlashBwdSm100(BwdMainCall):
                         rS[j] = rS[j] if j >= col_start else Float32(0.0)
             rP = cute.make_rmem_tensor(tc.shape, self.dtype)
             rP.store(rS.load().to(self.dtype))
+            if const_expr(self.cap_in is not None):
+                # P (1 - t^2): what dS takes from P under softcap.
+                for v in cutlass.range_constexpr(half // 2):
+                    t = (rT[2 * v], rT[2 * v + 1])
+                    g = cute.arch.fma_packed_f32x2((-t[0], -t[1]), t, (1.0, 1.0))
+                    rS[2 * v], rS[2 * v + 1] = cute.arch.mul_packed_f32x2(
+                        (rS[2 * v], rS[2 * v + 1]), g)
             # sP is free once the previous dV has read it.
             pipe_p.producer_acquire(p_state)
             self._store_row(rP, sPt_rc, row_n, wg, half)
@@ -1015,7 +1032,7 @@ class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
     not run on hardware (with masks or without)."""
 
     def __init__(self, dtype, head_dim, head_dim_v=None, causal=False, softmax_scale=None,
-                 tiles=None, masked=False, segments=False):
+                 tiles=None, masked=False, segments=False, softcap=None):
         if tiles is None:
             tiles = bwd_tiles(head_dim, causal)
             if head_dim > 64:
@@ -1024,4 +1041,5 @@ class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
                 # 72 + 120 = 512); at 64 they spilled.
                 tiles = dataclasses.replace(tiles, regs_reduce=tiles.regs_reduce + 8)
         super().__init__(dtype, head_dim, head_dim_v, causal, softmax_scale, tiles,
-                         deterministic=True, masked=masked, segments=segments)
+                         deterministic=True, masked=masked, segments=segments,
+                         softcap=softcap)

@@ -80,7 +80,12 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.mask import BlockRange, edge_walk, keep_inside
-from jax_fa4.kernels.softmax import RESCALE_THRESHOLD, finalize_with_sink
+from jax_fa4.kernels.softmax import (
+    RESCALE_THRESHOLD,
+    cap_scores,
+    finalize_with_sink,
+    score_scales,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +227,9 @@ class FlashFwdSm100(FwdCall):
         (rules/ranges.py), which carries every mask (causal must then be False).
     segments: with ``masked``: the call also takes the query and key segment ids,
         (B, Sq) and (B, Sk) int32, compared where a document is not contiguous.
+    sinks: the call also takes the sink logits, (B, Hq) float32 (``finalize_with_sink``).
+    softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
+        kernels] in softmax.py); None for none.
     """
 
     def __init__(
@@ -235,6 +243,7 @@ class FlashFwdSm100(FwdCall):
         masked: bool = False,
         segments: bool = False,
         sinks: bool = False,
+        softcap: float | None = None,
     ):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
@@ -247,7 +256,8 @@ class FlashFwdSm100(FwdCall):
         )
         if self.softmax_scale <= 0.0:
             raise ValueError("softmax_scale must be positive")
-        self.scale_log2 = self.softmax_scale * LOG2_E
+        self.softcap = softcap
+        self.cap_in, self.scale_log2 = score_scales(self.softmax_scale, softcap)
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
@@ -924,6 +934,8 @@ class FlashFwdSm100(FwdCall):
         cute.copy(thr_ld, tSsrc, rS)
         cute.arch.fence_view_async_tmem_load()
         n = cute.size(rS)
+        if cutlass.const_expr(self.cap_in is not None):
+            cap_scores(rS, self.cap_in)  # before the mask
 
         row_global, seqlen_k, lo, width, seg, masks = row_mask
         if cutlass.const_expr(apply_mask and masks is not None):

@@ -74,11 +74,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
     bulk_reduce_add_f32,
     consumer_release_elected,
+    convert_slice_to_operand_a,
     convert_to_operand_a,
     masked_add_rank,
     semaphore_release_after_bulk,
@@ -94,7 +94,7 @@ from jax_fa4.kernels.cute_utils import (
 from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
 from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile
-from jax_fa4.kernels.softmax import acc_mn_view
+from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_DS = 1  # both MMA warpgroups: dS^T of this query block is in SMEM
@@ -477,7 +477,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         d, dv = self.head_dim, self.head_dim_v
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice = wg_idx * 128
-        scale_log2 = self.softmax_scale * LOG2_E
+        scale_log2 = self.scale_log2
 
         # wgmma A/B operands are partitioned per warpgroup; C per thread.
         thr_sdp, thr_dk, thr_dv, thr_dq = [m.get_slice(tidx) for m in cta.mmas]
@@ -582,14 +582,32 @@ class FlashBwdSm90(Sm90BwdCommon):
             warpgroup.wait_group(1)  # S^T done
 
             S = acc_mn_view(acc_S)
+            if const_expr(self.cap_in is not None):
+                cap_scores(S, self.cap_in)
             self.mask_scores(S, tScS, 0, m_block, n_block, key_limit, kmask, cta.full,
                              bits)
             # P^T = exp2(S^T * scale * log2 e - LSElog2[query]).
-            for c in cutlass.range_constexpr(n_cols):
-                _column_stat(stats, lse, c, sLSE, stage, tScS, lse_part, quad_lane)
-                for r in cutlass.range_constexpr(n_rows):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c], fastmath=True)
-            convert_to_operand_a(acc_S, tdVrP, self.dtype)
+            if const_expr(self.cap_in is None):
+                for c in cutlass.range_constexpr(n_cols):
+                    _column_stat(stats, lse, c, sLSE, stage, tScS, lse_part, quad_lane)
+                    for r in cutlass.range_constexpr(n_rows):
+                        S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c],
+                                                 fastmath=True)
+                convert_to_operand_a(acc_S, tdVrP, self.dtype)
+            else:
+                # P^T to its own fragment, converted a k16 slice (4 columns) at a time
+                # so that few of its values are live; P^T (1 - t^2) to S^T (Note
+                # [Softcap in the kernels]).
+                acc_P = cute.make_fragment_like(acc_S, Float32)
+                P = acc_mn_view(acc_P)
+                for k in cutlass.range_constexpr(n_cols // 4):
+                    for c in cutlass.range_constexpr(4 * k, 4 * k + 4):
+                        _column_stat(stats, lse, c, sLSE, stage, tScS, lse_part, quad_lane)
+                        for r in cutlass.range_constexpr(n_rows):
+                            P[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[c],
+                                                     fastmath=True)
+                            S[r, c] = capped_grad(P[r, c], S[r, c])
+                    convert_slice_to_operand_a(acc_P, tdVrP, self.dtype, k)
             warpgroup.wait_group(0)  # dP^T done
 
             dP = acc_mn_view(acc_dP)

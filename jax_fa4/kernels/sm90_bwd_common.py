@@ -90,6 +90,8 @@ class Sm90BwdCommon(BwdMainCall):
       masked: the call takes each key's interval of seeing queries (rules/ranges.py),
         which carries every mask (causal must then be False); segments: and the
         segment ids, compared where a document is not contiguous.
+      softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
+        kernels] in softmax.py); None for none.
 
     A subclass sets head_dims, tile_m, tile_n, stages_qdo, smem_more (the names of
     its SMEM tensors besides Q, dO, K, V and the row statistics), the named-barrier
@@ -114,9 +116,10 @@ class Sm90BwdCommon(BwdMainCall):
         use_pdl: bool = False,
         masked: bool = False,
         segments: bool = False,
+        softcap: float | None = None,
     ):
         init_bwd_kernel(self, type(self).__name__, dtype, head_dim, head_dim_v, self.head_dims,
-                        causal, softmax_scale)
+                        causal, softmax_scale, softcap)
         set_mask_flags(self, causal, masked, segments)
         self.use_pdl = use_pdl
         log.debug("%s %s d=%d causal=%s", type(self).__name__, dtype, head_dim, causal)

@@ -79,7 +79,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     permute,
     sm90_smem_layout,
@@ -90,7 +89,7 @@ from jax_fa4.kernels.cute_utils import (
     zero_acc,
 )
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
-from jax_fa4.kernels.softmax import acc_mn_view
+from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_P = 1  # both MMA warpgroups: P of this query block is in SMEM
@@ -263,7 +262,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         d, dv = self.head_dim, self.head_dim_v
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice = wg_idx * 128
-        scale_log2 = self.softmax_scale * LOG2_E
+        scale_log2 = self.scale_log2
 
         # wgmma A/B operands are partitioned per warpgroup; C per thread.
         thr_sdp, thr_dkv, thr_dq = [m.get_slice(tidx) for m in cta.mmas]
@@ -322,14 +321,24 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             warpgroup.wait_group(1)  # S done
 
             S = acc_mn_view(acc_S)
+            if const_expr(self.cap_in is not None):
+                cap_scores(S, self.cap_in)
             self.mask_scores(S, tScS, 1, m_block, n_block, key_limit, kmask, cta.full,
                              bits)
             # P = exp2(S * scale * log2 e - LSElog2[query]); exp2(-inf) = 0.
+            # softcap: P to its own fragment, P (1 - t^2) to S (Note [Softcap in the
+            # kernels]).
+            acc_P = acc_S
+            if const_expr(self.cap_in is not None):
+                acc_P = cute.make_fragment_like(acc_S, Float32)
+            P = acc_mn_view(acc_P)
             for r in cutlass.range_constexpr(n_rows):
                 for c in cutlass.range_constexpr(n_cols):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[r], fastmath=True)
+                    P[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse[r], fastmath=True)
+                    if const_expr(self.cap_in is not None):
+                        S[r, c] = capped_grad(P[r, c], S[r, c])
             rP = cute.make_fragment_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
+            rP.store(acc_P.load().to(self.dtype))
             # P to its buffer `buf` (Note [P/dS buffers]); generic-proxy SMEM writes
             # must be made visible to the async proxy (wgmma) before the barrier.
             cute.copy(copy_pds, thr_copy_pds.retile(rP), tPsP[None, None, None, buf])

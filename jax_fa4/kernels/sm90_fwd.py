@@ -44,6 +44,7 @@ from jax_fa4.kernels.cute_utils import (
     as_cutlass_dtype,
     consumer_release_elected,
     convert_to_operand_a,
+    pack_rows,
     permute,
     pin_fragment,
     set_mask_flags,
@@ -58,8 +59,10 @@ from jax_fa4.kernels.mask import BlockRange, RangeMask, TileMask, edge_walk
 from jax_fa4.kernels.softmax import (
     OnlineSoftmax,
     acc_mn_view,
+    cap_scores,
     rescale_rows,
     rescale_rows_if_needed,
+    score_scales,
 )
 
 logger = logging.getLogger(__name__)
@@ -119,6 +122,22 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # (``pin_fragment``), which LLVM cannot fold, so the conversions stay in the step
 # after the exp2s; ptxas then interleaves them with the MUFUs (M a P M a P ...), as
 # in flash-attn-4's step, and also issues the P V wait earlier.
+
+# Note [Packed GQA]
+# ~~~~~~~~~~~~~~~~~
+# With ``pack_gqa`` = g (the query heads per KV head) a masked forward tile holds the
+# g query heads of one KV head: tile row r is position r // g of query head
+# head_kv g + r % g, so K and V are read once for the g heads, and a tile of
+# tile_m rows spans tile_m / g positions. Where the key range of a row is short (a
+# sliding window, a decode step) that is fewer key blocks per row: with a window of
+# 128 and 192 x 128 tiles a tile of one head spans 192 positions and visits 3 to 4
+# key blocks, a packed tile of 8 heads spans 24 and visits 2 to 3 (flash-attn-4
+# packs GQA heads the same way, ``pack_gqa``). Nothing in the kernel changes but
+# its views (``pack_rows``): Q, O and LSE re-viewed with rows ((g, positions)) and
+# heads the KV heads, the per-position key intervals and segment ids with the
+# group as a stride-0 mode; the tile walk, ``BlockRange`` and ``RangeMask`` then read
+# packed rows as they read positions, and TMA moves a tile as a (g, tile_m / g)
+# box. The sinks are per row (each row's own query head).
 
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
@@ -324,12 +343,18 @@ class FlashFwdSm90(FwdCall):
         (B, Sq) and (B, Sk) int32, compared where a document is not contiguous.
     sinks: the call also takes the sink logits, (B, Hq) float32, one more term of
         every row's softmax denominator (``OnlineSoftmax.finalize``).
+    softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
+        kernels] in softmax.py); None for none.
+    pack_gqa: with ``masked``, the number of query heads per KV head (the call's
+        Hq / Hkv) that share one tile (Note [Packed GQA]), dividing tile_m; 1: a
+        tile is one query head's.
     """
 
     def __init__(self, dtype: Any, head_dim: int, head_dim_v: int | None = None,
                  causal: bool = False, softmax_scale: float | None = None,
                  tiles: Sm90FwdTiles | None = None, masked: bool = False,
-                 segments: bool = False, sinks: bool = False):
+                 segments: bool = False, sinks: bool = False,
+                 softcap: float | None = None, pack_gqa: int = 1):
         self.dtype = as_cutlass_dtype(dtype, "sm90 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -343,10 +368,15 @@ class FlashFwdSm90(FwdCall):
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )
-        self.scale_log2 = self.softmax_scale * LOG2_E
+        self.softcap = softcap
+        self.cap_in, self.scale_log2 = score_scales(self.softmax_scale, softcap)
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal, masked)
         t = self.tiles
         self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
+        self.pack_gqa = pack_gqa
+        if pack_gqa > 1 and (not masked or self.tile_m % pack_gqa):
+            raise ValueError(f"pack_gqa serves the masked forward with a group that "
+                             f"divides tile_m {self.tile_m}, got {pack_gqa}")
         if self.tile_m not in (128, 192):
             # Ping-pong takes turns between two or more consumer warpgroups.
             raise ValueError(f"tile_m must be 128 or 192 (64 rows per consumer "
@@ -394,6 +424,15 @@ class FlashFwdSm90(FwdCall):
         # FA4 order: (seqlen, head_dim, heads, batch); LSE (seqlen, heads, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
+        if cutlass.const_expr(self.pack_gqa > 1):
+            # Note [Packed GQA]: rows (position, query head of the group), heads the
+            # KV heads; the per-position operands repeat over the group.
+            g = self.pack_gqa
+            mQ, mO = [pack_rows(t, g, 0, 2) for t in (mQ, mO)]
+            mLSE = pack_rows(mLSE, g, 0, 1)
+            mRanges = pack_rows(mRanges, g, 1, None)
+            if cutlass.const_expr(mQSeg is not None):
+                mQSeg = pack_rows(mQSeg, g, 1, None)
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         major = cute.nvgpu.OperandMajorMode
@@ -454,7 +493,7 @@ class FlashFwdSm90(FwdCall):
         if cutlass.const_expr(smem_bytes > _SM90_MAX_SMEM_BYTES):
             raise ValueError(f"sm90 forward with {self.tiles} needs {smem_bytes} bytes of "
                              f"SMEM, more than the {_SM90_MAX_SMEM_BYTES} a CTA may use")
-        seqlen_q = mQ.shape[0]
+        seqlen_q = self.q_rows(mQ)
         c = self.cluster_m
         # Clusters: the query blocks of a head rounded up to whole clusters.
         grid = (cute.ceil_div(seqlen_q, tm * c) * c, cute.size(mQ.shape[2]),
@@ -583,7 +622,7 @@ class FlashFwdSm90(FwdCall):
 
         # Non-persistent: this CTA's one tile (persistent CTAs leave it unused).
         m_block, head, batch = self.block_coord(mQ, mK)
-        seqlen_q = mQ.shape[0]
+        seqlen_q = self.q_rows(mQ)
         seqlen_k = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
         head_kv = head // group
@@ -681,6 +720,12 @@ class FlashFwdSm90(FwdCall):
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
+    def q_rows(self, mQ: cute.Tensor):
+        """Rows of the query view: Sq, or Sq x group packed (Note [Packed GQA])."""
+        if cutlass.const_expr(self.pack_gqa > 1):
+            return cute.size(mQ, mode=[0])
+        return mQ.shape[0]
+
     def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
         matrix have more KV blocks: the LPT order launches them first, so that the
@@ -707,8 +752,8 @@ class FlashFwdSm90(FwdCall):
         """(m_block, head, batch) of unit t in the LPT order (``lpt_tile``)."""
         num_heads = mQ.shape[2]
         size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
-        return lpt_tile(t, cute.ceil_div(mQ.shape[0], self.tile_m * self.cluster_m), num_heads,
-                        num_heads * mQ.shape[3], size, cutlass.min)
+        num_m = cute.ceil_div(self.q_rows(mQ), self.tile_m * self.cluster_m)
+        return lpt_tile(t, num_m, num_heads, num_heads * mQ.shape[3], size, cutlass.min)
 
     @cute.jit
     def next_tile(self, pipe_sched, sched: cute.Tensor, state: pipeline.PipelineState):
@@ -756,7 +801,7 @@ class FlashFwdSm90(FwdCall):
             t_blocks = None
             t_max = self.n_block_max(t_m, seqlen_k)
             if cutlass.const_expr(self.masked):
-                t_blocks = self.kv_blocks(mRanges, t_m, t_batch, mQ.shape[0])
+                t_blocks = self.kv_blocks(mRanges, t_m, t_batch, self.q_rows(mQ))
                 t_max = t_blocks.end
             q_state, state = self.load(*load_ops, q_state, state, t_m, t_head, t_head // group,
                                        t_batch, t_max, t_blocks)
@@ -769,7 +814,7 @@ class FlashFwdSm90(FwdCall):
         """(units per head, units of the whole problem) of the persistent walk; mQ
         is (Sq, D, Hq, B). A unit is a query block, or with K/V multicast the
         cluster_m adjacent query blocks of one cluster (``cta_block``)."""
-        num_m = cute.ceil_div(mQ.shape[0], self.tile_m * self.cluster_m)
+        num_m = cute.ceil_div(self.q_rows(mQ), self.tile_m * self.cluster_m)
         return num_m, num_m * mQ.shape[2] * mQ.shape[3]
 
     def first_unit(self):
@@ -1061,6 +1106,7 @@ class FlashFwdSm90(FwdCall):
         self._sched_arrive()
         warpgroup.wait_group(0)
         self._release(pipe_k, state)
+        self._cap(acc_S)
         mask.apply(acc_S, m_block, n_last, mask_seqlen=True, mask_causal=self.causal)
         softmax.online_softmax(acc_S, is_first=True)
         to_p(acc_S)
@@ -1118,13 +1164,26 @@ class FlashFwdSm90(FwdCall):
         state.advance()
 
         sink_log2 = None
-        if cutlass.const_expr(self.sinks):
+        if cutlass.const_expr(self.sinks and self.pack_gqa > 1):
+            # Each row's own query head (Note [Packed GQA]).
+            g = self.pack_gqa
+            rows = acc_mn_view(tiled_mma_pv.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+            sink_log2 = cute.make_rmem_tensor(softmax.num_rows, Float32)
+            for r in cutlass.range_constexpr(softmax.num_rows):
+                sink_log2[r] = mSinks[batch, head * g + rows[r, 0][0] % g] * LOG2_E
+        elif cutlass.const_expr(self.sinks):
             sink_log2 = mSinks[batch, head] * LOG2_E
         inv_sum, lse = softmax.finalize(sink_log2)
         rescale_rows(acc_O, inv_sum)
         self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head,
                       batch, seqlen_q)
         return q_state, state
+
+    def _cap(self, acc_S):
+        """Softcap: the scores become tanh(q.k * scale / c), before any mask."""
+        if cutlass.const_expr(self.cap_in is not None):
+            cap_scores(acc_S, self.cap_in)
 
     @cute.jit
     def _overlapped_step(
@@ -1157,6 +1216,7 @@ class FlashFwdSm90(FwdCall):
         self._sched_arrive()
         warpgroup.wait_group(1)  # S ready; P V may still run
         self._release(pipe_k, state)
+        self._cap(acc_S)
         if cutlass.const_expr(mask_causal):
             mask.apply(acc_S, m_block, n_block, mask_seqlen=False, mask_causal=True,
                        when=mask_if)
@@ -1243,11 +1303,11 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
                              "masked one)")
 
 
-
 def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
                   causal: bool = False, softmax_scale: float | None = None,
                   tiles: Sm90FwdTiles | None = None, masked: bool = False,
-                  segments: bool = False, sinks: bool = False) -> FlashFwdSm90:
+                  segments: bool = False, sinks: bool = False,
+                  softcap: float | None = None, pack_gqa: int = 1) -> FlashFwdSm90:
     """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
     where its tiles make it the causal (or masked) persistent kernel, which takes
     the tile counter operand, else ``FlashFwdSm90``."""
@@ -1255,4 +1315,4 @@ def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
     t = tiles or fwd_tiles(head_dim, hv, causal, masked)
     cls = FlashFwdSm90Dynamic if t.persistent and (causal or masked) else FlashFwdSm90
     return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t, masked=masked,
-               segments=segments, sinks=sinks)
+               segments=segments, sinks=sinks, softcap=softcap, pack_gqa=pack_gqa)

@@ -31,6 +31,24 @@ factor of 256.
 A fully masked row keeps ``m = -inf``; the exponent then uses 0 as the
 reference so that ``exp2(-inf - 0) = 0`` instead of ``exp2(-inf + inf) = NaN``.
 
+Note [Softcap in the kernels]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With softcap c each scaled logit s = scale * q.k becomes c * tanh(s / c). The kernels
+keep t = tanh(q.k * scale / c) in the score registers (an FMUL and one MUFU.TANH per
+score, before the mask, so a masked score is still -inf) and run the softmax on t
+with ``scale_log2`` = c * log2(e) in place of scale * log2(e): the exponents, the
+row max and the lse are then those of the capped logits, and the forward is
+otherwise unchanged (flash-attn-4 also applies its softcap before the mask, as a
+score modifier).
+
+The backward needs dS = P (dP - D) (1 - t^2) (times the scale, which dQ and dK take
+as before). Each score's P goes straight to the 16-bit operand of the dV GEMM, and
+P (1 - t^2) takes the score's register, where dS reads it as it reads P without
+softcap: no register lives longer than without softcap. (Recovering t from P
+after the conversion, t = (log2 P + LSElog2) / (c log2 e), kept the LSE registers
+live across the conversion and spilled the sm_90a backward.) A masked score is
+-inf, its P 0, and its product 0, not 0 * -inf.
+
 Note [Row sum in chains]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 The row sum of P (``TensorSSA.reduce``) compiles to one serial chain of 32 FADDs
@@ -51,7 +69,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, cute
 
-from jax_fa4.config import LN_2
+from jax_fa4.config import LN_2, LOG2_E
 
 # See Note [Lazy rescale]: the max may lag by this many log2 units (P <= 2^8).
 RESCALE_THRESHOLD = 8.0
@@ -181,7 +199,8 @@ class OnlineSoftmax:
         A row with no unmasked key (sum 0) gets scale 0 and lse -inf, so its O is
         0 instead of NaN. ``sink_log2``: the rows' sink logit in log2 units, one
         more term of the denominator (Note [Sinks in the denominator]); a row with
-        no key then has O 0 and lse the sink.
+        no key then has O 0 and lse the sink; a tensor: one per row (rows of
+        different query heads, Note [Packed GQA] in sm90_fwd.py).
         """
         inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
@@ -194,6 +213,9 @@ class OnlineSoftmax:
                 inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
                 log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)
                 lse[r] = -Float32.inf if empty else (m_safe * self.scale_log2 + log2_sum) * LN_2
+            elif cutlass.const_expr(isinstance(sink_log2, cute.Tensor)):
+                inv_sum[r], lse[r] = finalize_with_sink(total, m, self.scale_log2,
+                                                        sink_log2[r])
             else:
                 inv_sum[r], lse[r] = finalize_with_sink(total, m, self.scale_log2, sink_log2)
         return inv_sum, lse
@@ -239,3 +261,24 @@ def rescale_rows_if_needed(acc: cute.Tensor, row_scale: cute.Tensor) -> None:
         needed = needed or row_scale[r] != 1.0
     if needed:
         rescale_rows(acc, row_scale)
+
+
+def score_scales(softmax_scale: float, softcap: float | None) -> tuple[float | None, float]:
+    """(the factor of q.k inside the tanh, or None without softcap; ``scale_log2``,
+    the factor of the softmax's exponents) (Note [Softcap in the kernels])."""
+    if softcap is None:
+        return None, softmax_scale * LOG2_E
+    return softmax_scale / softcap, softcap * LOG2_E
+
+
+@cute.jit
+def cap_scores(scores: cute.Tensor, cap_in: float) -> None:
+    """scores = tanh(scores * cap_in), in place (Note [Softcap in the kernels])."""
+    scores.store(cute.math.tanh(scores.load() * cap_in, fastmath=True))
+
+
+@cute.jit
+def capped_grad(p: Float32, t: Float32) -> Float32:
+    """p (1 - t^2), 0 where p is 0 (t may then be -inf: masked) (Note [Softcap in
+    the kernels])."""
+    return Float32(0.0) if p == 0.0 else p * (Float32(1.0) - t * t)

@@ -71,7 +71,8 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
         return jnp.zeros((b, sq, hq, dv), q.dtype), jnp.zeros((b, hq, sq), jnp.float32)
     plan = fwd_plan(arch, dtype_name(q.dtype), q.shape[-1], dv, bool(config.causal),
-                    float(config.scale), config.masked, config.segments, config.sinks)
+                    float(config.scale), config.masked, config.segments, config.sinks,
+                    config.softcap, hq // k.shape[2])
     inputs, in_static = (q, k, v), (_BSHD, _BSHD, _BSHD)
     outs = (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
@@ -113,7 +114,7 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
         return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
     plan = bwd_plan(arch, dtype_name(q.dtype), q.shape[-1], v.shape[-1], bool(config.causal),
                     float(config.scale), bool(config.deterministic), bool(dlse), config.masked,
-                    config.segments)
+                    config.segments, config.softcap)
     mask_ops = mask_static = ()
     if config.masked:
         # A query that sees no key has lse -inf; as +inf its P = exp2(s - lse) is 0

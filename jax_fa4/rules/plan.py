@@ -47,6 +47,10 @@ class FwdPlan:
         extra = {"masked": True, "segments": k.segments} if k.masked else {}
         if k.sinks:
             extra["sinks"] = True
+        if k.softcap is not None:
+            extra["softcap"] = k.softcap
+        if k.pack_gqa > 1:
+            extra["pack_gqa"] = k.pack_gqa
         return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                     **extra)
 
@@ -115,6 +119,8 @@ class BwdPlan:
         extra = {"use_pdl": True} if self.pdl else {}
         if k.masked:
             extra.update(masked=True, segments=k.segments)
+        if k.softcap is not None:
+            extra["softcap"] = k.softcap
         return Kernel(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                       **extra)
 
@@ -129,31 +135,36 @@ class BwdPlan:
 @functools.cache
 def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
              scale: float, masked: bool = False, segments: bool = False,
-             sinks: bool = False) -> FwdPlan:
+             sinks: bool = False, softcap: float | None = None,
+             group: int = 1) -> FwdPlan:
     """``masked``: the kernel takes key intervals that carry every mask, causal
     included (``causal`` is then ignored); ``segments``: and the segment ids;
-    ``sinks``: and the sink logits."""
+    ``sinks``: and the sink logits; ``softcap``: the logits' cap, or None;
+    ``group``: query heads per KV head, which the sm_90a masked forward packs into
+    its tiles where they divide them (Note [Packed GQA])."""
     if masked:
         causal = False
-    key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
-                    head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
-                    segments=segments, sinks=sinks)
-    counter = False
+    counter, pack = False, 1
     if arch == "sm_90a":
         from jax_fa4.kernels.sm90_fwd import fwd_tiles
 
-        counter = (causal or masked) and fwd_tiles(head_dim, head_dim_v, causal,
-                                                   masked).persistent
+        tiles = fwd_tiles(head_dim, head_dim_v, causal, masked)
+        counter = (causal or masked) and tiles.persistent
+        if masked and group > 1 and tiles.tile_m % group == 0:
+            pack = group
+    key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
+                    head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
+                    segments=segments, sinks=sinks, softcap=softcap, pack_gqa=pack)
     return FwdPlan(key=key, tile_counter=counter)
 
 
 @functools.cache
 def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
              scale: float, deterministic: bool, dlse: bool, masked: bool = False,
-             segments: bool = False) -> BwdPlan:
+             segments: bool = False, softcap: float | None = None) -> BwdPlan:
     """``dlse``: the preprocess takes LSE's cotangent (False where it is a symbolic
-    zero: nothing used the LSE). ``masked`` / ``segments``: as ``fwd_plan``, for
-    the main kernel (which takes the keys' query intervals)."""
+    zero: nothing used the LSE). ``masked`` / ``segments`` / ``softcap``: as
+    ``fwd_plan``, for the main kernel (which takes the keys' query intervals)."""
     if masked:
         causal = False
     stat_block = dq_tile_m = 0
@@ -183,7 +194,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         pre=KernelKey(kind="bwd_pre", causal=False, scale=1.0, stat_block=stat_block,
                       dlse=dlse, **common),
         main=KernelKey(kind="bwd_det" if deterministic else "bwd", causal=causal, scale=scale,
-                       masked=masked, segments=segments, **common),
+                       masked=masked, segments=segments, softcap=softcap, **common),
         post=KernelKey(kind="bwd_post", causal=False, scale=scale, dq_tile_m=dq_tile_m,
                        **common),
         sem_tile_m=sem_tile_m,

@@ -213,8 +213,6 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     if arch is None:
         return None, f"no kernel for this GPU ({source})"
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
-    if err is None and config.softcap is not None:
-        err = f"no {arch} kernel takes softcap yet"
     if err is None and config.masked:
         err = masked_kernel_error(arch, kind, config)
     if err is None and kind == "bwd" and config.deterministic:
