@@ -223,12 +223,11 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     aliases = {}
     if direction == "fwd":
         ins, outs = fwd_structs(*shape, head_dim, dtype)
+        # The query heads of a KV head packed into the tiles, as the plan has it (Note
+        # [Packed GQA]).
+        kw["pack_gqa"] = fwd_plan(arch, jnp.dtype(dtype).name, head_dim, head_dim, False,
+                                  1.0, masked=True, group=hq // hkv).key.pack_gqa
         if arch == "sm_90a":
-            # The query heads of a KV head packed into the tiles, as the plan has it
-            # (Note [Packed GQA]).
-            kw["pack_gqa"] = fwd_plan(arch, jnp.dtype(dtype).name, head_dim, head_dim, False,
-                                      1.0, masked=True, group=hq // hkv).key.pack_gqa
-
             def make():
                 return make_fwd_sm90(dtype, head_dim, head_dim, False, **kw)
         else:

@@ -134,11 +134,11 @@ def test_deterministic_masks_at_hdim_256_take_the_logged_reference_backward(monk
 
 @pytest.mark.parametrize("arch,d,group,pack", [
     ("sm_90a", 64, 8, 8), ("sm_90a", 64, 3, 3), ("sm_90a", 128, 3, 1), ("sm_90a", 128, 1, 1),
-    ("sm_100a", 64, 8, 1)])
+    ("sm_100a", 64, 8, 8), ("sm_100a", 128, 3, 1)])
 def test_masked_forward_packs_gqa_heads_that_divide_its_tiles(arch, d, group, pack):
-    """Note [Packed GQA]: the sm_90a masked forward takes a group's query heads into
-    one tile where the group divides tile_m (192 at hdim 64, 128 at 128); the plain
-    kernels and sm_100a do not pack."""
+    """Note [Packed GQA]: the masked forward takes a group's query heads into one
+    tile where the group divides tile_m (sm_90a: 192 at hdim 64, 128 at 128; sm_100a:
+    128); the plain kernels do not pack."""
     from jax_fa4.rules.plan import fwd_plan
 
     assert fwd_plan(arch, "bfloat16", d, d, True, 0.1, masked=True,
@@ -183,7 +183,7 @@ def test_masked_builds(tmp_path, arch, direction, d, segments):
     if sass is None:
         pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
     assert ("HGMMA" if arch == "sm_90a" else "UTCHMMA") in sass or arch == "sm_100a"
-    if arch == "sm_90a" and direction == "fwd":
+    if direction == "fwd":
         # 4 query heads on 1 KV head packed into the tiles (Note [Packed GQA]): Q
         # loads and O stores as (head dim, group, positions, heads, batch) boxes.
         assert re.search(r"cp\.async\.bulk\.tensor\.5d\.shared::cta\.global", ptx)

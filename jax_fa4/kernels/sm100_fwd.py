@@ -74,6 +74,7 @@ from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
     as_cutlass_dtype,
+    pack_rows,
     permute,
     set_mask_flags,
     tma_tile_partition,
@@ -230,6 +231,8 @@ class FlashFwdSm100(FwdCall):
     sinks: the call also takes the sink logits, (B, Hq) float32 (``finalize_with_sink``).
     softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
         kernels] in softmax.py); None for none.
+    pack_gqa: with ``masked``, the query heads per KV head that share one tile
+        (Note [Packed GQA] in sm90_fwd.py), dividing tile_m; 1: none.
     """
 
     def __init__(
@@ -244,6 +247,7 @@ class FlashFwdSm100(FwdCall):
         segments: bool = False,
         sinks: bool = False,
         softcap: float | None = None,
+        pack_gqa: int = 1,
     ):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
@@ -263,6 +267,10 @@ class FlashFwdSm100(FwdCall):
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         if (self.tile_m, self.tile_n) != (128, 128):
             raise ValueError("sm100 forward is written for 128 x 128 tiles")
+        self.pack_gqa = pack_gqa
+        if pack_gqa > 1 and (not masked or self.tile_m % pack_gqa):
+            raise ValueError(f"pack_gqa serves the masked forward with a group that "
+                             f"divides tile_m {self.tile_m}, got {pack_gqa}")
         if 2 * self.tile_n + 2 * self.head_dim_v > _TMEM_COLS:
             raise ValueError("S0, S1, O0, O1 do not fit in tensor memory")
         if self.tile_n % 32 or t.sw_exp2_per_32 % 2 or not 0 <= t.sw_exp2_per_32 <= 32:
@@ -276,6 +284,12 @@ class FlashFwdSm100(FwdCall):
             causal,
             t,
         )
+
+    def q_rows(self, mQ: cute.Tensor):
+        """Rows of the query view: Sq, or Sq x group packed (Note [Packed GQA])."""
+        if cutlass.const_expr(self.pack_gqa > 1):
+            return cute.size(mQ, mode=[0])
+        return mQ.shape[0]
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -295,6 +309,15 @@ class FlashFwdSm100(FwdCall):
         mQ, mK, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
         mVt = permute(mV, [3, 1, 2, 0])
         mLSE = permute(mLSE, [2, 1, 0])
+        if cutlass.const_expr(self.pack_gqa > 1):
+            # Note [Packed GQA] in sm90_fwd.py: rows (position, query head of the
+            # group), heads the KV heads; per-position operands repeat over the group.
+            g = self.pack_gqa
+            mQ, mO = [pack_rows(t, g, 0, 2) for t in (mQ, mO)]
+            mLSE = pack_rows(mLSE, g, 0, 1)
+            mRanges = pack_rows(mRanges, g, 1, None)
+            if cutlass.const_expr(mQSeg is not None):
+                mQSeg = pack_rows(mQSeg, g, 1, None)
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         stages = self.tiles.kv_stages
@@ -365,7 +388,7 @@ class FlashFwdSm100(FwdCall):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
-        seqlen_q = mQ.shape[0]
+        seqlen_q = self.q_rows(mQ)
         grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_Q,
@@ -478,7 +501,7 @@ class FlashFwdSm100(FwdCall):
         m_block = bidx
         if cutlass.const_expr(self.causal or self.masked):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
-        seqlen_q = mQ.shape[0]
+        seqlen_q = self.q_rows(mQ)
         seqlen_k = mK.shape[0]
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         # Blocks [n_end - n_blocks, n_end), walked from the last; the first n_masked
@@ -1107,8 +1130,12 @@ class FlashFwdSm100(FwdCall):
             cute.arch.mbarrier_wait(mbar + _O_DONE + tile, (n_blocks - 1) % 2)
             _tcgen05_fence_after_sync()
             if cutlass.const_expr(self.sinks):
+                # Packed: the row's own query head (the group divides tile_m).
+                sink_head = head
+                if cutlass.const_expr(self.pack_gqa > 1):
+                    sink_head = head * self.pack_gqa + row % self.pack_gqa
                 inv, lse = finalize_with_sink(total, m_ref, self.scale_log2,
-                                              mSinks[batch, head] * LOG2_E)
+                                              mSinks[batch, sink_head] * LOG2_E)
             else:
                 # A row without a visible key (sum 0) gets O = 0 and LSE = -inf.
                 empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)

@@ -140,18 +140,18 @@ def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     """``masked``: the kernel takes key intervals that carry every mask, causal
     included (``causal`` is then ignored); ``segments``: and the segment ids;
     ``sinks``: and the sink logits; ``softcap``: the logits' cap, or None;
-    ``group``: query heads per KV head, which the sm_90a masked forward packs into
-    its tiles where they divide them (Note [Packed GQA])."""
+    ``group``: query heads per KV head, which the masked forward packs into its
+    tiles where they divide them (Note [Packed GQA] in kernels/sm90_fwd.py)."""
     if masked:
         causal = False
-    counter, pack = False, 1
+    counter, tile_m = False, 128
     if arch == "sm_90a":
         from jax_fa4.kernels.sm90_fwd import fwd_tiles
 
         tiles = fwd_tiles(head_dim, head_dim_v, causal, masked)
         counter = (causal or masked) and tiles.persistent
-        if masked and group > 1 and tiles.tile_m % group == 0:
-            pack = group
+        tile_m = tiles.tile_m
+    pack = group if masked and group > 1 and tile_m % group == 0 else 1
     key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
                     head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
                     segments=segments, sinks=sinks, softcap=softcap, pack_gqa=pack)
