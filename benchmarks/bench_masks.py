@@ -15,8 +15,13 @@ Cases (the masks issue's rows):
   sinks        B=2 x 8k, 32 query heads of 64 on 4 KV heads,    vs flash-attn-4
                causal, window (128, 0), sinks (GPT-OSS's shape) (learnable_sink)
   softcap      B=2 x 8k, causal, softcap 30 (Gemma 2)           vs flash-attn-4 (softcap)
+  hdim96       B=2 x 8k, causal, 16 heads of 96                 vs cuDNN, flash-attn-4
+  hdim192      B=2 x 8k, causal, 16 heads of 192, forward only  vs cuDNN, flash-attn-4
+  mla          B=2 x 8k, causal, 16 heads of (192, 128)         vs cuDNN, flash-attn-4
+               (DeepSeek's), forward only
 
-TFLOP/s count the visible (query, key) pairs: forward 4 * H * D * pairs, backward 2.5x.
+TFLOP/s count the visible (query, key) pairs: forward 2 * H * (D + Dv) * pairs,
+backward 2.5x. Forward-only rows time no backward (their backward runs no kernel).
 Writes bench_masks_<date>.csv to --out (default ./bench_out).
 
     python benchmarks/bench_masks.py [--out DIR] [--peers fa4,cudnn] [--cases lengths,...]
@@ -72,6 +77,8 @@ class Case:
     heads: int = HEADS
     kv_heads: int = HEADS
     hdim: int = HDIM
+    hdim_v: int | None = None  # None: hdim
+    backward: bool = True
 
 
 def cases() -> list[Case]:
@@ -97,6 +104,13 @@ def cases() -> list[Case]:
              heads=32, kv_heads=4, hdim=64),
         Case("softcap", 2, 8192, 8192, dict(causal=True, softcap=30.0), fa4="func",
              fa4_kwargs=dict(causal=True, softcap=30.0)),
+        Case("hdim96", 2, 8192, 8192, dict(causal=True), cudnn=dict(is_causal=True),
+             fa4="func", fa4_kwargs=dict(causal=True), hdim=96),
+        Case("hdim192", 2, 8192, 8192, dict(causal=True), cudnn=dict(is_causal=True),
+             fa4="func", fa4_kwargs=dict(causal=True), hdim=192, backward=False),
+        Case("mla", 2, 8192, 8192, dict(causal=True), cudnn=dict(is_causal=True),
+             fa4="func", fa4_kwargs=dict(causal=True), hdim=192, hdim_v=128,
+             backward=False),
     ]
 
 
@@ -161,6 +175,10 @@ def prepare_fa4(c: Case, q, k, v) -> Prepared:
         out = func(tq, tk, tv, **kw)
         return out[0] if isinstance(out, tuple) else out
 
+    if not c.backward:
+        fwd()
+        torch.cuda.synchronize()
+        return Prepared(fwd, None, lambda _: torch.cuda.synchronize(), {})
     dout = torch.randn_like(fwd())
     torch.autograd.grad(fwd(), (tq, tk, tv), dout)
     torch.cuda.synchronize()
@@ -191,9 +209,10 @@ def main(argv=None):
     rows = []
     for i, c in enumerate(chosen):
         kq, kk, kv = jax.random.split(jax.random.key(i), 3)
+        dv = c.hdim_v or c.hdim
         q = jax.random.normal(kq, (c.b, c.sq, c.heads, c.hdim), jnp.bfloat16)
-        k, v = (jax.random.normal(x, (c.b, c.sk, c.kv_heads, c.hdim), jnp.bfloat16)
-                for x in (kk, kv))
+        k = jax.random.normal(kk, (c.b, c.sk, c.kv_heads, c.hdim), jnp.bfloat16)
+        v = jax.random.normal(kv, (c.b, c.sk, c.kv_heads, dv), jnp.bfloat16)
         # Mask arrays are arguments of the timed functions, as in a training step
         # that gets them with its batch: their passes to the kernels' intervals
         # are timed with the attention.
@@ -210,7 +229,8 @@ def main(argv=None):
         for name, (arrays, attn) in impls.items():
             print(f"[{i + 1}/{len(chosen)}] {c.name}: {name} (set up) ...", flush=True)
             try:
-                preps[name] = prepare_jax(attn, q, k, v, None, data=tuple(arrays.values()))
+                preps[name] = prepare_jax(attn, q, k, v, None, data=tuple(arrays.values()),
+                                          bwd_timing="direct" if c.backward else None)
             except Exception as e:  # noqa: BLE001 - report and continue with the others
                 print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if c.fa4 is not None and "fa4" in peers:
@@ -223,8 +243,8 @@ def main(argv=None):
         for name, (tf, tb, mem, rf, rb) in results.items():
             rows.append(dict(case=c.name, impl=name, batch=c.b, seqlen_q=c.sq, seqlen_k=c.sk,
                              fwd_ms=tf * 1e3, bwd_ms=tb * 1e3,
-                             fwd_tflops=4.0 * c.heads * c.hdim * pairs / tf / 1e12,
-                             bwd_tflops=10.0 * c.heads * c.hdim * pairs / tb / 1e12,
+                             fwd_tflops=2.0 * c.heads * (c.hdim + dv) * pairs / tf / 1e12,
+                             bwd_tflops=5.0 * c.heads * (c.hdim + dv) * pairs / tb / 1e12,
                              temp_mib=mem.get("temp_mib"), peak_mib=mem.get("peak_mib"),
                              fwd_range=rf, bwd_range=rb))
         del preps

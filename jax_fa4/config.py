@@ -24,8 +24,13 @@ LN_2 = math.log(2.0)
 # Head dims and dtypes the kernels of each architecture take (q/k head dim, v head dim).
 KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (128, 128), (256, 256)),
+    "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
+    "sm_100a": ((64, 64), (128, 128)),
+}
+# Those with a backward kernel too (the others' backward runs the logged reference).
+BWD_KERNEL_HEAD_DIMS = {
+    "sm_90a": ((64, 64), (96, 96), (128, 128), (256, 256)),
     "sm_100a": ((64, 64), (128, 128)),
 }
 
@@ -145,16 +150,20 @@ def dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
-def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> str | None:
-    """Why no kernel of ``arch`` takes this problem, or None if one does."""
+def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int,
+                         kind: str = "fwd") -> str | None:
+    """Why no kernel of ``arch`` takes this problem (``kind`` "fwd" or "bwd"), or None
+    if one does."""
     if arch not in KERNEL_HEAD_DIMS:
         return f"no jax_fa4 kernel for architecture {arch}"
     if dtype_name(dtype) not in KERNEL_DTYPES:
         return f"dtype {dtype_name(dtype)} has no kernel (supported: {', '.join(KERNEL_DTYPES)})"
-    if (head_dim, head_dim_v) not in KERNEL_HEAD_DIMS[arch]:
-        dims = ", ".join(f"{d}" if d == dv else f"({d}, {dv})" for d, dv in KERNEL_HEAD_DIMS[arch])
+    table = BWD_KERNEL_HEAD_DIMS if kind == "bwd" else KERNEL_HEAD_DIMS
+    if (head_dim, head_dim_v) not in table[arch]:
+        dims = ", ".join(f"{d}" if d == dv else f"({d}, {dv})" for d, dv in table[arch])
+        what = "backward kernel" if kind == "bwd" else "kernel"
         return (
-            f"head dims (qk={head_dim}, v={head_dim_v}) have no {arch} kernel "
+            f"head dims (qk={head_dim}, v={head_dim_v}) have no {arch} {what} "
             f"(supported: {dims})"
         )
     return None
@@ -162,7 +171,7 @@ def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> st
 
 # The (head dim, head dim v) pairs with a deterministic backward kernel, per arch.
 DETERMINISTIC_BWD_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (128, 128)),
+    "sm_90a": ((64, 64), (96, 96), (128, 128)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
     "sm_100a": ((64, 64), (128, 128)),
 }

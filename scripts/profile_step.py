@@ -75,8 +75,8 @@ def run_case(impl: str, name: str, steps: int) -> None:
     c = next(c for c in bench_masks.cases() if c.name == name)
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(ks[0], (c.b, c.sq, c.heads, c.hdim), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (c.b, c.sk, c.kv_heads, c.hdim), jnp.bfloat16)
-            for kk in ks[1:3])
+    k = jax.random.normal(ks[1], (c.b, c.sk, c.kv_heads, c.hdim), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (c.b, c.sk, c.kv_heads, c.hdim_v or c.hdim), jnp.bfloat16)
     if impl == "fa4":
         import torch
 
@@ -98,7 +98,8 @@ def run_case(impl: str, name: str, steps: int) -> None:
         return vjp(do)
 
     for _ in range(steps):
-        jax.block_until_ready(step(q, k, v, q, *arrays.values()))
+        jax.block_until_ready(step(q, k, v, jnp.ones(q.shape[:3] + v.shape[3:], q.dtype),
+                                   *arrays.values()))
 
 
 def main() -> None:

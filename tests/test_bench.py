@@ -265,3 +265,4 @@ def test_masked_cases_count_their_visible_pairs():
     # GPT-OSS's window (128, 0); sinks add no pair.
     assert bm.visible_pairs(cases["sinks"]) == 2 * sum(min(i, 128) + 1 for i in range(8192))
     assert bm.visible_pairs(cases["softcap"]) == 2 * tri(8192)
+    assert bm.visible_pairs(cases["mla"]) == 2 * tri(8192)

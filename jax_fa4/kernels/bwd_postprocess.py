@@ -71,7 +71,7 @@ class FlashBwdPostprocess:
         # The main kernel's query tile when dQaccum is in flat order, else None.
         self.flat_tile_m = flat_tile_m
         if flat_tile_m is not None:
-            if flat_tile_m not in (64, 128) or head_dim not in (64, 128):
+            if flat_tile_m not in (64, 128) or head_dim not in (64, 96, 128):
                 raise ValueError(f"no flat dQ accumulator for tile_m {flat_tile_m}, "
                                  f"head_dim {head_dim}")
             self.tile_m, self.num_threads = flat_tile_m, 256
@@ -157,7 +157,10 @@ class FlashBwdPostprocess:
 
         tm, d = self.tile_m, self.head_dim
         mma = dq_tiled_mma(self.dtype, tm, d)
-        sdQ_layout = sm90_smem_layout(self.dtype, tm, d, None)
+        # stmatrix writes each warpgroup's part of the MMA's columns (``dq_tiled_mma``:
+        # split along d when tm has one 64-row atom): swizzle atoms that divide it.
+        sdQ_layout = sm90_smem_layout(self.dtype, tm, d, None,
+                                      swizzle_cols=d // (2 // (tm // 64)))
         tma, gdQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), sdQ,
                                                sdQ_layout, (tm, d))
 

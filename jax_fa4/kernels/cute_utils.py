@@ -114,12 +114,16 @@ def transpose_smem(t: cute.Tensor) -> cute.Tensor:
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
-def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
+                     swizzle_cols: int | None = None):
     """Row-major (cols contiguous) swizzled SMEM tile for a (rows, cols[, stages])
-    wgmma operand: K-major as it is, MN-major through `transpose_smem`."""
+    wgmma operand: K-major as it is, MN-major through `transpose_smem`. The swizzle
+    is the widest whose atom divides ``swizzle_cols`` (default cols): an MN-major
+    operand split along its columns between warpgroups needs atoms that divide
+    each warpgroup's part."""
     atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, swizzle_cols or cols),
+        dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))

@@ -178,11 +178,13 @@ _MASKED_TILES = {
 def bwd_tiles(head_dim: int, causal: bool, masked: bool = False) -> BwdTiles:
     """The tile table, keyed by head dim and mask (none, top-left causal, or
     ``masked``: key intervals)."""
-    if head_dim not in (64, 128):
-        raise ValueError(f"sm90 backward supports head_dim 64 and 128, got {head_dim}")
+    if head_dim not in (64, 96, 128):
+        raise ValueError(f"sm90 backward supports head_dim 64, 96 and 128, got {head_dim}")
+    # hdim 96 takes hdim 128's rows.
+    row = 128 if head_dim == 96 else head_dim
     if masked:
-        return _MASKED_TILES[head_dim]
-    return _TILE_TABLE[(head_dim, bool(causal))]
+        return _MASKED_TILES[row]
+    return _TILE_TABLE[(row, bool(causal))]
 
 
 def stats_thread_block(head_dim: int, causal: bool, masked: bool = False) -> int | None:
@@ -262,7 +264,7 @@ class FlashBwdSm90(Sm90BwdCommon):
     Args: as ``Sm90BwdCommon``; head_dim = head_dim_v = 64 or 128.
     """
 
-    head_dims = (64, 128)
+    head_dims = (64, 96, 128)
     smem_more = ("sdS", "sdQ")
     bar_dq_full = 2
     bar_dq_empty = 4

@@ -142,9 +142,13 @@ class Sm90BwdCommon(BwdMainCall):
         d, dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
         st = self.stages_qdo
         row_stage = (tm + 31) // 32 * 32
+        # K is also dQ = dS K's B operand, split along d between the warpgroups when
+        # the query tile has one 64-row atom (``dq_tiled_mma``): at d = 96 each
+        # takes 48 columns, which the 64-byte swizzle's 32-column atoms do not divide.
+        k_cols = d // (self.num_mma_wg // (tm // 64))
         return (sm90_smem_layout(self.dtype, tm, d, st),
                 sm90_smem_layout(self.dtype, tm, dv, st),
-                sm90_smem_layout(self.dtype, tn, d, None),
+                sm90_smem_layout(self.dtype, tn, d, None, swizzle_cols=k_cols),
                 sm90_smem_layout(self.dtype, tn, dv, None),
                 cute.make_layout((tm, st), stride=(1, row_stage)), row_stage)
 

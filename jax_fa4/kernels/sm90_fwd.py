@@ -273,6 +273,16 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
             q_in_regs=not causal and head_dim == head_dim_v == 128,  # faster; level causal
             pin_p=True,
         )
+    if d <= 192 and head_dim_v <= head_dim:
+        # flash-attn-4's 128 x 112 at hdim 192, also for DeepSeek's (192, 128): Q 48 KiB
+        # (O reuses it), 2 stages of K and V up to 42 KiB each, 216 KiB at (192, 192),
+        # so no persistent CTAs; otherwise the hdim-256 row's choices.
+        return Sm90FwdTiles(
+            tile_m=128, tile_n=112, num_stages=2, consumer_regs=240, producer_regs=24,
+            cluster_m=1 if masked else 2,
+            prune_diagonal_loop=True,
+            merge_diagonal_loop=causal,
+        )
     if head_dim == head_dim_v == 256:
         # FA3's 128 x 80 with 2 stages: Q 64 KiB (O reuses it) and 2 x 40 KiB each of
         # K and V use 230400 of the 232448 bytes of SMEM a CTA may have, so no
@@ -285,7 +295,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
             merge_diagonal_loop=causal,  # compile time too; level on the H200
         )
     raise ValueError(
-        f"sm90 forward supports head dims up to 128 and 256, got {head_dim}, {head_dim_v}"
+        f"sm90 forward supports head dims up to 192 (v no wider than qk) and 256, got "
+        f"{head_dim}, {head_dim_v}"
     )
 
 

@@ -168,7 +168,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     if masked:
         causal = False
     stat_block = dq_tile_m = 0
-    if arch == "sm_90a" and head_dim in (64, 128):
+    if arch == "sm_90a" and head_dim in (64, 96, 128):
         from jax_fa4.kernels.sm90_bwd import dq_accum_flat_tile_m, stats_thread_block
 
         stat_block = stats_thread_block(head_dim, causal, masked) or 0

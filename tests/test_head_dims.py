@@ -1,0 +1,144 @@
+"""Head dims beyond 64 / 128 / 256 on sm_90a: 96 (forward and backward kernels) and
+192, (192, 128) (forward kernels; the backward runs the logged reference path).
+On CPU: which kernels the lowering builds and what it logs or raises; on the GPU
+(``-m gpu``): the kernels against the f32 reference by the 2x rule, outputs
+poisoned, with GQA, odd lengths, masks and rows that see no key."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close_2x, rand_qkv
+
+import jax_fa4
+from jax_fa4 import reference
+from jax_fa4.config import kernel_support_error
+from jax_fa4.ffi import poison_outputs
+from jax_fa4.rules.primitives import KernelUnavailableError
+
+CALL = "CuteDSLRT_NvJaxCutlassCall"
+
+
+@pytest.mark.parametrize("d,dv,fwd,bwd", [(96, 96, True, True), (192, 192, True, False),
+                                          (192, 128, True, False), (160, 160, False, False),
+                                          (128, 64, False, False)])
+def test_sm90_head_dim_tables(d, dv, fwd, bwd):
+    assert (kernel_support_error("sm_90a", jnp.bfloat16, d, dv) is None) == fwd
+    assert (kernel_support_error("sm_90a", jnp.bfloat16, d, dv, "bwd") is None) == bwd
+
+
+def _lower(fn, *structs):
+    return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _structs(d, dv, hq=4, hkv=2):
+    sds = jax.ShapeDtypeStruct
+    return (sds((2, 200, hq, d), jnp.bfloat16), sds((2, 333, hkv, d), jnp.bfloat16),
+            sds((2, 333, hkv, dv), jnp.bfloat16))
+
+
+def test_hdim_96_runs_every_kernel(monkeypatch):
+    """Forward, preprocess, backward and postprocess kernels, causal and with a
+    window (the masked kernels), deterministic too."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    for kw in (dict(causal=True), dict(window=(64, 0)), dict(deterministic=True)):
+        text = _lower(jax.grad(lambda q, k, v: jax_fa4.attention(
+            q, k, v, implementation="cute", **kw).astype(jnp.float32).sum(),
+            argnums=(0, 1, 2)), *_structs(96, 96))
+        assert text.count(CALL) == 4, kw
+
+
+@pytest.mark.parametrize("dv", [192, 128])
+def test_hdim_192_forward_kernel_reference_backward(monkeypatch, caplog, dv):
+    """(192, 192) and DeepSeek's (192, 128): the forward kernel; the backward logs the
+    reference path, and with implementation="cute" raises, naming the head dims."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    structs = _structs(192, dv)
+    assert _lower(lambda q, k, v: jax_fa4.attention(q, k, v, causal=True,
+                                                    implementation="cute"),
+                  *structs).count(CALL) == 1
+
+    def grad(implementation):
+        return jax.grad(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=True, implementation=implementation).astype(jnp.float32).sum(),
+            argnums=(0, 1, 2))
+
+    with caplog.at_level(logging.WARNING, logger="jax_fa4"):
+        assert _lower(grad(None), *structs).count(CALL) == 1
+    assert f"(qk=192, v={dv}) have no sm_90a backward kernel" in caplog.text
+    with pytest.raises(KernelUnavailableError, match="backward kernel"):
+        _lower(grad("cute"), *structs)
+
+
+def _ref(q, k, v, kw, dtype):
+    masks = reference.Masks(None, None if "kv_lengths" not in kw else jnp.asarray(
+        kw["kv_lengths"]), None, None)
+    return reference.attention_dense(
+        q, k, v, scale=q.shape[-1] ** -0.5, causal=kw.get("causal", False),
+        window=kw.get("window"), masks=masks, compute_dtype=dtype)
+
+
+def _kernel_kw(kw):
+    return {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+
+
+GPU_CASES = [
+    (96, 96, dict(causal=True), True),
+    (96, 96, dict(), True),
+    (96, 96, dict(causal=True, window=(100, 0), kv_lengths=np.array([333, 0], np.int32)),
+     True),
+    (96, 96, dict(causal=True, deterministic=True), True),
+    (192, 192, dict(causal=True), False),
+    (192, 192, dict(), False),
+    (192, 128, dict(causal=True), False),
+    (192, 128, dict(window=(50, 20), kv_lengths=np.array([333, 0], np.int32)), False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dv,kw,bwd", GPU_CASES)
+def test_gpu_head_dims(d, dv, kw, bwd):
+    """Out and lse (and, where a backward kernel exists, every gradient) by the 2x
+    rule, kernels only; rows that see no key: out 0, lse -inf, no NaN."""
+    kw = dict(kw)
+    det = kw.pop("deterministic", False)
+    b, sq, sk, hq, hkv = 2, 300, 333, 4, 2
+    q, k, v = rand_qkv(d + dv, b, sq, sk, hq, hkv, d, dv)
+
+    def attn(q, k, v):
+        return jax_fa4.attention(q, k, v, return_lse=True, implementation="cute",
+                                 deterministic=det, **_kernel_kw(kw))
+
+    with poison_outputs():
+        out, lse = jax.jit(attn)(q, k, v)
+    hi = _ref(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), kw,
+              jnp.float32)
+    lo = _ref(q, k, v, kw, jnp.bfloat16)
+    assert_close_2x(out, hi[0], lo[0], atol=1e-3, name="out")
+    lse, hi_lse, lo_lse = (np.asarray(x, np.float64) for x in (lse, hi[1], lo[1]))
+    empty = np.isneginf(hi_lse)
+    assert np.array_equal(np.isneginf(lse), empty) and not np.isnan(lse).any()
+    assert_close_2x(lse[~empty], hi_lse[~empty], lo_lse[~empty], atol=1e-3, name="lse")
+    if not bwd:
+        return
+    kd = jax.random.split(jax.random.key(3), 2)
+    dout = jax.random.normal(kd[0], (b, sq, hq, dv))
+    dlse = jnp.where(jnp.asarray(empty), 0.0, jax.random.normal(kd[1], (b, hq, sq)))
+
+    def vjp_of(f):
+        (o, l), pullback = jax.vjp(f, q, k, v)
+        return pullback((dout.astype(o.dtype), dlse))
+
+    with poison_outputs():
+        got = jax.jit(lambda: vjp_of(attn))()
+    want_hi = vjp_of(lambda q, k, v: _ref(q.astype(jnp.float32), k.astype(jnp.float32),
+                                          v.astype(jnp.float32), kw, jnp.float32))
+    want_lo = vjp_of(lambda q, k, v: _ref(q, k, v, kw, jnp.bfloat16))
+    for name, g, h, lw in zip(("dq", "dk", "dv"), got, want_hi, want_lo):
+        assert_close_2x(g, h, lw, atol=2e-3, name=name)
