@@ -239,6 +239,7 @@ def prepare_jax(attn, q, k, v, causal, bwd_timing="direct", data=()) -> Prepared
     """
     fwd = jax.jit(lambda q, k, v, *d: attn(q, k, v, causal, *d))
     if bwd_timing is None:
+        jax.block_until_ready(fwd(q, k, v, *data))  # compiled here: a failure shows now
         return Prepared(lambda: fwd(q, k, v, *data), None, jax.block_until_ready,
                         xla_memory(fwd, (q, k, v, *data)))
     dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
