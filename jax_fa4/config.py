@@ -26,12 +26,12 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = {
     "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
-    "sm_100a": ((64, 64), (128, 128)),
+    "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
 # Those with a backward kernel too (the others' backward runs the logged reference).
 BWD_KERNEL_HEAD_DIMS = {
     "sm_90a": ((64, 64), (96, 96), (128, 128), (256, 256)),
-    "sm_100a": ((64, 64), (128, 128)),
+    "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
 
 # Environment override of the kernel architecture, for lowering on a machine
@@ -173,7 +173,7 @@ def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int,
 DETERMINISTIC_BWD_HEAD_DIMS = {
     "sm_90a": ((64, 64), (96, 96), (128, 128)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
-    "sm_100a": ((64, 64), (128, 128)),
+    "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
 
 

@@ -1,5 +1,6 @@
-"""Head dims beyond 64 / 128 / 256 on sm_90a: 96 (forward and backward kernels) and
-192, (192, 128) (forward kernels; the backward runs the logged reference path).
+"""Head dims beyond 64 / 128 / 256: 96 (forward and backward kernels on sm_90a, and
+on sm_100a compiled, not run on hardware) and 192, (192, 128) (sm_90a forward
+kernels; the backward runs the logged reference path).
 On CPU: which kernels the lowering builds and what it logs or raises; on the GPU
 (``-m gpu``): the kernels against the f32 reference by the 2x rule, outputs
 poisoned, with GQA, odd lengths, masks and rows that see no key."""
@@ -74,6 +75,37 @@ def test_hdim_192_forward_kernel_reference_backward(monkeypatch, caplog, dv):
     assert f"(qk=192, v={dv}) have no sm_90a backward kernel" in caplog.text
     with pytest.raises(KernelUnavailableError, match="backward kernel"):
         _lower(grad("cute"), *structs)
+
+
+@pytest.mark.parametrize("arch,direction", [("sm_90a", "fwd"), ("sm_90a", "bwd"),
+                                            ("sm_100a", "fwd"), ("sm_100a", "bwd")])
+def test_hdim_96_builds(tmp_path, arch, direction):
+    """hdim 96's kernels: the tensor-core instructions of the architecture and no
+    local memory, except the sm_100a forward's softmax warps, which spill as at hdim
+    128 (19 instructions). sm_100a: compiled, not run on hardware."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from kernel_compile import dump_options, dumped_sass, fwd_structs, lower, lower_bwd
+
+    from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
+    from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+    from jax_fa4.kernels.sm100_fwd import FlashFwdSm100
+
+    opts = dump_options(tmp_path)
+    if direction == "bwd":
+        cls = FlashBwdSm90 if arch == "sm_90a" else FlashBwdSm100
+        lower_bwd(cls, arch, jnp.bfloat16, 96, True, compile_options=opts)
+    else:
+        ins, outs = fwd_structs(2, 113, 203, 4, 2, 96, jnp.bfloat16)
+        make = (lambda: make_fwd_sm90(jnp.bfloat16, 96, 96, False)) if arch == "sm_90a" else (
+            lambda: FlashFwdSm100(jnp.bfloat16, 96, 96, False))
+        lower(make, arch, ins, outs, compile_options=opts)
+    sass = dumped_sass(tmp_path)
+    assert re.search(r"\bHGMMA\." if arch == "sm_90a" else r"\bUTC\w*MMA", sass)
+    local = len(re.findall(r"\b(LDL|STL)\b", sass))
+    assert local <= (19 if (arch, direction) == ("sm_100a", "fwd") else 0), local
 
 
 def _ref(q, k, v, kw, dtype):

@@ -126,11 +126,16 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
     if head_dim <= 64:
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=2, dq_cols=32, dq_stages=2,
                         regs_compute=168, regs_reduce=96, regs_other=80)
+    if head_dim == 96:
+        # hdim 128's row with one dQ stage: 96 columns, three chunks of 32, do not
+        # split into two stages; three stages spilled the reduce warps.
+        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=1,
+                        regs_compute=160, regs_reduce=64, regs_other=120)
     if head_dim <= 128:
         # The MMA warp keeps 8 K-steps of 64-bit SMEM descriptors per GEMM live.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
                         regs_compute=160, regs_reduce=64, regs_other=120)
-    raise ValueError(f"sm100 backward supports head_dim 64 and 128, got {head_dim}")
+    raise ValueError(f"sm100 backward supports head_dim 64, 96 and 128, got {head_dim}")
 
 
 
@@ -201,7 +206,7 @@ class FlashBwdSm100(BwdMainCall):
         softcap: float | None = None,
     ):
         self.deterministic = deterministic
-        init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 128), causal,
+        init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 96, 128), causal,
                         softmax_scale, softcap)
         set_mask_flags(self, causal, masked, segments)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
@@ -211,7 +216,7 @@ class FlashBwdSm100(BwdMainCall):
         # tile_m columns of S^T and dP^T, and the dK/dV columns in the epilogue.
         assert self.tile_m == 128 and self.tile_n == 128
         assert head_dim % t.dq_cols == 0 and (head_dim // t.dq_cols) % t.dq_stages == 0
-        assert (head_dim // 2) % 32 == 0
+        assert (head_dim // 2) % 16 == 0
         assert 2 * t.regs_compute + t.regs_reduce + t.regs_other <= 512
         self.num_threads = 32 * _NUM_WARPS
 
@@ -905,9 +910,10 @@ class FlashBwdSm100(BwdMainCall):
                   width: cutlass.Constexpr[int], scale: cutlass.Constexpr[float], tidx, wg,
                   n_block, head_kv, batch, seqlen_k, num_iters):
         """dV, or dK = scale * sum dS^T Q: TMEM -> registers -> global, 32 columns at a
-        time; warpgroup g stores columns [g * width / 2, (g + 1) * width / 2)."""
+        time (16 where a warpgroup's half is not a multiple of 32: hdim 96);
+        warpgroup g stores columns [g * width / 2, (g + 1) * width / 2)."""
         tn = self.tile_n
-        chunk = 32
+        chunk = 32 if (width // 2) % 32 == 0 else 16
         chunks_per_wg = width // 2 // chunk
         tX = self._tmem_acc(tiled_mma, tmem_ptr, col, (tn, width))
         tX2 = tX[(None, None), 0, 0]

@@ -153,8 +153,8 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2
     """
     if head_dim != head_dim_v:
         raise ValueError(f"sm100 forward needs D == Dv, got {head_dim} and {head_dim_v}")
-    if head_dim not in (64, 128):
-        raise ValueError(f"sm100 forward supports head dims 64 and 128, got {head_dim}")
+    if head_dim not in (64, 96, 128):
+        raise ValueError(f"sm100 forward supports head dims 64, 96 and 128, got {head_dim}")
     del causal  # same tiles for causal and not (not measured yet)
     tile_m = tile_n = 128
     q_bytes = 2 * tile_m * head_dim * dtype_bytes
