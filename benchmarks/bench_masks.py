@@ -108,8 +108,8 @@ def cases() -> list[Case]:
              fa4="func", fa4_kwargs=dict(causal=True), hdim=96),
         Case("hdim192", 2, 8192, 8192, dict(causal=True), cudnn=dict(is_causal=True),
              fa4="func", fa4_kwargs=dict(causal=True), hdim=192, backward=False),
-        Case("mla", 2, 8192, 8192, dict(causal=True), fa4="func", fa4_kwargs=dict(causal=True), hdim=192, hdim_v=128,
-             backward=False),
+        Case("mla", 2, 8192, 8192, dict(causal=True), fa4="func",
+             fa4_kwargs=dict(causal=True), hdim=192, hdim_v=128, backward=False),
     ]
 
 

@@ -48,7 +48,7 @@ def test_hdim_96_runs_every_kernel(monkeypatch):
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
     for kw in (dict(causal=True), dict(window=(64, 0)), dict(deterministic=True)):
-        text = _lower(jax.grad(lambda q, k, v: jax_fa4.attention(
+        text = _lower(jax.grad(lambda q, k, v, kw=kw: jax_fa4.attention(
             q, k, v, implementation="cute", **kw).astype(jnp.float32).sum(),
             argnums=(0, 1, 2)), *_structs(96, 96))
         assert text.count(CALL) == 4, kw
