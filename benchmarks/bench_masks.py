@@ -107,9 +107,9 @@ def cases() -> list[Case]:
         Case("hdim96", 2, 8192, 8192, dict(causal=True), cudnn=dict(is_causal=True),
              fa4="func", fa4_kwargs=dict(causal=True), hdim=96),
         Case("hdim192", 2, 8192, 8192, dict(causal=True), cudnn=dict(is_causal=True),
-             fa4="func", fa4_kwargs=dict(causal=True), hdim=192, backward=False),
+             fa4="func", fa4_kwargs=dict(causal=True), hdim=192),
         Case("mla", 2, 8192, 8192, dict(causal=True), fa4="func",
-             fa4_kwargs=dict(causal=True), hdim=192, hdim_v=128, backward=False),
+             fa4_kwargs=dict(causal=True), hdim=192, hdim_v=128),
     ]
 
 

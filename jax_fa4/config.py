@@ -30,7 +30,7 @@ KERNEL_HEAD_DIMS = {
 }
 # Those with a backward kernel too (the others' backward runs the logged reference).
 BWD_KERNEL_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (96, 96), (128, 128), (256, 256)),
+    "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
     "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
 

@@ -19,13 +19,12 @@ import jax_fa4
 from jax_fa4 import reference
 from jax_fa4.config import kernel_support_error
 from jax_fa4.ffi import poison_outputs
-from jax_fa4.rules.primitives import KernelUnavailableError
 
 CALL = "CuteDSLRT_NvJaxCutlassCall"
 
 
-@pytest.mark.parametrize("d,dv,fwd,bwd", [(96, 96, True, True), (192, 192, True, False),
-                                          (192, 128, True, False), (160, 160, False, False),
+@pytest.mark.parametrize("d,dv,fwd,bwd", [(96, 96, True, True), (192, 192, True, True),
+                                          (192, 128, True, True), (160, 160, False, False),
                                           (128, 64, False, False)])
 def test_sm90_head_dim_tables(d, dv, fwd, bwd):
     assert (kernel_support_error("sm_90a", jnp.bfloat16, d, dv) is None) == fwd
@@ -55,26 +54,26 @@ def test_hdim_96_runs_every_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("dv", [192, 128])
-def test_hdim_192_forward_kernel_reference_backward(monkeypatch, caplog, dv):
-    """(192, 192) and DeepSeek's (192, 128): the forward kernel; the backward logs the
-    reference path, and with implementation="cute" raises, naming the head dims."""
+def test_hdim_192_runs_every_kernel(monkeypatch, caplog, dv):
+    """(192, 192) and DeepSeek's (192, 128): forward, preprocess, backward (the wide
+    kernel, Note [Wide dK and dV]) and postprocess, plain and masked; the
+    deterministic backward logs the reference path (no kernel: as at hdim 256)."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
     structs = _structs(192, dv)
-    assert _lower(lambda q, k, v: jax_fa4.attention(q, k, v, causal=True,
-                                                    implementation="cute"),
-                  *structs).count(CALL) == 1
 
-    def grad(implementation):
+    def grad(implementation="cute", **kw):
         return jax.grad(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=True, implementation=implementation).astype(jnp.float32).sum(),
-            argnums=(0, 1, 2))
+            q, k, v, causal=True, implementation=implementation,
+            **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
+    assert _lower(grad(), *structs).count(CALL) == 4
+    assert _lower(grad(window=(64, 0)), *structs).count(CALL) == 4
     with caplog.at_level(logging.WARNING, logger="jax_fa4"):
-        assert _lower(grad(None), *structs).count(CALL) == 1
-    assert f"(qk=192, v={dv}) have no sm_90a backward kernel" in caplog.text
-    with pytest.raises(KernelUnavailableError, match="backward kernel"):
-        _lower(grad("cute"), *structs)
+        assert _lower(grad(None, deterministic=True), *structs).count(CALL) == 1
+    assert "no deterministic backward kernel for head dims (192" in caplog.text
+    with pytest.raises(ValueError, match="deterministic"):
+        _lower(grad(deterministic=True), *structs)
 
 
 @pytest.mark.parametrize("arch,direction", [("sm_90a", "fwd"), ("sm_90a", "bwd"),
@@ -126,10 +125,10 @@ GPU_CASES = [
     (96, 96, dict(causal=True, window=(100, 0), kv_lengths=np.array([333, 0], np.int32)),
      True),
     (96, 96, dict(causal=True, deterministic=True), True),
-    (192, 192, dict(causal=True), False),
-    (192, 192, dict(), False),
-    (192, 128, dict(causal=True), False),
-    (192, 128, dict(window=(50, 20), kv_lengths=np.array([333, 0], np.int32)), False),
+    (192, 192, dict(causal=True), True),
+    (192, 192, dict(), True),
+    (192, 128, dict(causal=True), True),
+    (192, 128, dict(window=(50, 20), kv_lengths=np.array([333, 0], np.int32)), True),
 ]
 
 

@@ -33,14 +33,15 @@ def init_bwd_kernel(kernel, name: str, dtype, head_dim: int, head_dim_v: int | N
                     head_dims: tuple[int, ...], causal: bool,
                     softmax_scale: float | None, softcap: float | None = None) -> None:
     """Check and store what every backward main kernel takes: dtype (bf16/fp16),
-    head_dim == head_dim_v in ``head_dims``, the mask, the softmax scale (default
-    1 / sqrt(head_dim)) and the softcap (``score_scales``: ``cap_in``, and
-    ``scale_log2``, the factor of P's exponent)."""
+    head dims in ``head_dims`` (an int d: head_dim = head_dim_v = d; a pair: those
+    two), the mask, the softmax scale (default 1 / sqrt(head_dim)) and the softcap
+    (``score_scales``: ``cap_in``, and ``scale_log2``, the factor of P's exponent)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if dtype not in (cutlass.BFloat16, cutlass.Float16):
         raise TypeError(f"{name} needs bf16 or fp16, got {dtype}")
-    if head_dim != head_dim_v or head_dim not in head_dims:
-        raise ValueError(f"{name} needs head_dim == head_dim_v in {head_dims}, "
+    pairs = [(d, d) if isinstance(d, int) else tuple(d) for d in head_dims]
+    if (head_dim, head_dim_v) not in pairs:
+        raise ValueError(f"{name} needs head dims (qk, v) in {pairs}, "
                          f"got {head_dim}, {head_dim_v}")
     kernel.dtype = dtype
     kernel.head_dim = head_dim

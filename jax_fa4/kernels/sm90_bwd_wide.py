@@ -126,7 +126,7 @@ def _store_dq_smem(acc: cute.Tensor, tCcC: cute.Tensor, sdQ_base: cute.Pointer,
     # pointers apply `inner` to byte addresses, as TMA does.)
     assert str(tCcC.layout).startswith("((2,2,") and str(tCcC.layout).endswith(
         "),1,1):((1@1,8@0,8@1),0,0)"), tCcC.layout
-    assert str(outer) == "((8,8),(32,8)):((32,256),(1,2048))", outer
+    assert str(outer) == f"((8,8),(32,{outer.shape[1][1]})):((32,256),(1,2048))", outer
     assert str(sdQ_layout.inner) == "S<3,4,3>", sdQ_layout.inner
     n_groups = cute.size(acc.shape[0][2])  # 8-column groups of this thread
     assert n_groups % 4 == 0
@@ -142,22 +142,42 @@ def _store_dq_smem(acc: cute.Tensor, tCcC: cute.Tensor, sdQ_base: cute.Pointer,
 
 
 class FlashBwdSm90Wide(Sm90BwdCommon):
-    """Backward main kernel for sm_90a at head dim 256; see the module docstring.
+    """Backward main kernel for sm_90a at head dims 256, 192 and (192, 128); see the
+    module docstring.
 
     Same constructor and call as `FlashBwdSm90`. FA3's sm90 hdim-256 backward tiles:
     64 x 64 and one Q/dO stage, the only ones that fit in SMEM (Note [Wide shared
     memory]); the mask changes only which blocks run and which are masked.
 
-    Args: as ``Sm90BwdCommon``; head_dim = head_dim_v = 256.
+    Note [Wide dK and dV]: at 256 the warpgroups split dV^T = dO^T P and dK^T = Q^T dS
+    along the head dim in 64-row atoms (two each, "swapAB"). 192 rows are three such
+    atoms, which two warpgroups cannot share evenly, so at 192 (and (192, 128)) they
+    compute dV = P^T dO and dK = dS^T Q instead, split along the head dim in columns
+    (96 each at 192, 64 at 128), with Q and dO in a swizzle whose atoms divide those
+    halves (``qdo_swizzle_cols``).
+
+    Args: as ``Sm90BwdCommon``; head dims 256, 192 or (192, 128).
     """
 
-    head_dims = (256,)
+    head_dims = (192, 256, (192, 128))
     smem_more = ("sP", "sdS", "sdQ")
     bar_dq_full = 3
     bar_dq_empty = 4
     tile_m = 64  # query rows per block
     tile_n = 64  # key rows per CTA (32 per MMA warpgroup in S and dP)
     stages_qdo = 1  # Q / dO / LSElog2 / Dpsum pipeline stages
+
+    @property
+    def swap_dkv(self) -> bool:
+        """Note [Wide dK and dV]: the transposed dK / dV GEMMs (hdim 256)."""
+        return self.head_dim == self.head_dim_v == 256
+
+    def qdo_swizzle_cols(self):
+        """Q and dO are the B operands of dK and dV split along their columns at 192
+        (Note [Wide dK and dV]): their swizzle atoms must divide each half."""
+        if self.swap_dkv:
+            return None, None
+        return self.head_dim // self.num_mma_wg, self.head_dim_v // self.num_mma_wg
 
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
@@ -169,17 +189,24 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         # B = K / V (tile_n x d), K-major as stored; warpgroups side by side along n.
         mma_sdp = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, (1, wg, 1), (tm, tn // wg))
-        # dV^T = dO^T P and dK^T = Q^T dS (d x tile_n, reduced over tile_m):
-        # A = dO^T / Q^T (d x tile_m, d contiguous: MN-major), B[n, m] = P[m, n] /
-        # dS[m, n] (n contiguous: MN-major); warpgroups stacked along d.
-        mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, (wg, 1, 1), (64, tn))
-        assert d == dv
+        if self.swap_dkv:
+            # dV^T = dO^T P and dK^T = Q^T dS (d x tile_n, reduced over tile_m):
+            # A = dO^T / Q^T (d x tile_m, d contiguous: MN-major), B[n, m] = P[m, n] /
+            # dS[m, n] (n contiguous: MN-major); warpgroups stacked along d.
+            mma_dk = mma_dv = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, MN, Float32, (wg, 1, 1), (64, tn))
+        else:
+            # dV = P^T dO and dK = dS^T Q (tile_n x d): A = P^T / dS^T (keys
+            # contiguous: MN-major), B[d, m] = dO[m, d] / Q[m, d] (MN-major);
+            # warpgroups side by side along d.
+            mma_dk, mma_dv = (sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN, MN, Float32, (1, wg, 1), (tn, width // wg))
+                for width in (d, dv))
         # dQ = dS K (tile_m x d, reduced over tile_n): A = dS (K-major as stored),
         # B[d, n] = K[n, d] (d contiguous: MN-major); warpgroups side by side along d.
         mma_dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, MN, Float32, (1, wg, 1), (tm, d // wg))
-        return mma_sdp, mma_dkv, mma_dq
+        return mma_sdp, mma_dk, mma_dv, mma_dq
 
     @cute.jit
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -193,7 +220,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
             mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
-        mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
+        mmas = self._tiled_mmas()
 
         sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, row_stage = (
             self.load_layouts())
@@ -218,7 +245,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum), (tma_dQ,),
             (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, sP_layout, sdS_layout,
              sdQ_layout),
-            (mma_sdp, mma_dkv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream, masks)
+            mmas, bytes_qdo, bytes_kv, SharedStorage, stream, masks)
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -253,7 +280,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         sdQ_layout = cta.layouts["sdQ"]
         sQ, sdO, sK, sV, sP, sdS, _, sLSE, sDpsum = cta.smem.values()
         _, mdK, mdV = cta.outs
-        mma_sdp, mma_dkv, mma_dq = cta.mmas
+        mma_sdp, mma_dk, mma_dv, mma_dq = cta.mmas
         pipe_qdo, pipe_kv = cta.pipe_qdo, cta.pipe_kv
         n_block, head_kv, batch = cta.coords
         _, m_block_min, num_m, num_iters = cta.work
@@ -265,20 +292,27 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         scale_log2 = self.scale_log2
 
         # wgmma A/B operands are partitioned per warpgroup; C per thread.
-        thr_sdp, thr_dkv, thr_dq = [m.get_slice(tidx) for m in cta.mmas]
+        thr_sdp, thr_dk, thr_dv, thr_dq = [m.get_slice(tidx) for m in cta.mmas]
         # S = Q K^T and dP = dO V^T.
         tSrQ, tSrK = smem_operands(mma_sdp, wg_slice, sQ, sK)
         tdPrdO, tdPrV = smem_operands(mma_sdp, wg_slice, sdO, sV)
-        # dV^T = dO^T P: A = dO^T (dv x tile_m), B = P^T (tile_n x tile_m), MN-major.
-        tdVrdOt, tdVrPt = smem_operands(mma_dkv, wg_slice, transpose_smem(sdO),
-                                        transpose_smem(sP))
-        # dK^T = Q^T dS: A = Q^T (d x tile_m), B = dS^T (tile_n x tile_m), MN-major.
-        tdKrQt, tdKrdSt = smem_operands(mma_dkv, wg_slice, transpose_smem(sQ),
-                                        transpose_smem(sdS))
+        sdOt, sPt, sQt, sdSt = (transpose_smem(t) for t in (sdO, sP, sQ, sdS))
+        if const_expr(self.swap_dkv):
+            # dV^T = dO^T P: A = dO^T (dv x tile_m), B = P^T (tile_n x tile_m), and
+            # dK^T = Q^T dS: A = Q^T (d x tile_m), B = dS^T, all MN-major.
+            tdVrdOt, tdVrPt = smem_operands(mma_dv, wg_slice, sdOt, sPt)
+            tdKrQt, tdKrdSt = smem_operands(mma_dk, wg_slice, sQt, sdSt)
+            acc_dK = zero_acc(thr_dk, (d, tn))
+            acc_dV = zero_acc(thr_dv, (dv, tn))
+        else:
+            # dV = P^T dO: A = P^T (tile_n x tile_m), B = dO^T (dv x tile_m), and
+            # dK = dS^T Q: A = dS^T, B = Q^T (d x tile_m), all MN-major.
+            tdVrPt, tdVrdOt = smem_operands(mma_dv, wg_slice, sPt, sdOt)
+            tdKrdSt, tdKrQt = smem_operands(mma_dk, wg_slice, sdSt, sQt)
+            acc_dK = zero_acc(thr_dk, (tn, d))
+            acc_dV = zero_acc(thr_dv, (tn, dv))
         # dQ = dS K: A = dS (tile_m x tile_n) K-major, B = K^T (d x tile_n) MN-major.
         tdQrdS, tdQrKt = smem_operands(mma_dq, wg_slice, sdS, transpose_smem(sK))
-        acc_dKt = zero_acc(thr_dkv, (d, tn))
-        acc_dVt = zero_acc(thr_dkv, (dv, tn))
 
         # (query, key) of each accumulator element of S, as (rows, cols).
         tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tm, tn))))
@@ -344,9 +378,13 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             cute.copy(copy_pds, thr_copy_pds.retile(rP), tPsP[None, None, None, buf])
             cute.arch.fence_view_async_shared()
             p_bar.arrive_and_wait()
-            # dV^T runs on the tensor cores while dS is computed.
-            wgmma_gemm(mma_dkv, acc_dVt, tdVrdOt[None, None, None, stage],
-                       tdVrPt[None, None, None, buf], zero_init=False)
+            # dV (or dV^T) runs on the tensor cores while dS is computed.
+            if const_expr(self.swap_dkv):
+                wgmma_gemm(mma_dv, acc_dV, tdVrdOt[None, None, None, stage],
+                           tdVrPt[None, None, None, buf], zero_init=False)
+            else:
+                wgmma_gemm(mma_dv, acc_dV, tdVrPt[None, None, None, buf],
+                           tdVrdOt[None, None, None, stage], zero_init=False)
             warpgroup.wait_group(1)  # dP done (dV^T may still run)
 
             dP = acc_mn_view(acc_dP)
@@ -361,14 +399,18 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             cute.arch.fence_view_async_shared()
             ds_bar.arrive_and_wait()
 
-            # dK^T before dQ: Q and dO are then free as soon as dK^T is done, so the
+            # dK before dQ: Q and dO are then free as soon as dK is done, so the
             # next block's Q/dO load overlaps the dQ GEMM and its SMEM hand-off.
-            wgmma_gemm(mma_dkv, acc_dKt, tdKrQt[None, None, None, stage], tdKrdSt,
-                       zero_init=False)
+            if const_expr(self.swap_dkv):
+                wgmma_gemm(mma_dk, acc_dK, tdKrQt[None, None, None, stage], tdKrdSt,
+                           zero_init=False)
+            else:
+                wgmma_gemm(mma_dk, acc_dK, tdKrdSt, tdKrQt[None, None, None, stage],
+                           zero_init=False)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
             wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
 
-            warpgroup.wait_group(1)  # dV^T and dK^T done: nothing reads this stage
+            warpgroup.wait_group(1)  # dV and dK done: nothing reads this stage
             pipe_qdo.consumer_release(state)
             warpgroup.wait_group(0)  # dQ done
             cute.arch.barrier(barrier_id=self.bar_dq_empty, number_of_threads=dq_threads)
@@ -376,26 +418,32 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_full, number_of_threads=dq_threads)
             state.advance()
-        self.store_acc_t(acc_dKt, mdK, thr_dkv, d, self.softmax_scale, n_block, head_kv,
-                         batch, seqlen_k)
-        self.store_acc_t(acc_dVt, mdV, thr_dkv, dv, 1.0, n_block, head_kv, batch, seqlen_k)
+        self.store_acc(acc_dK, mdK, thr_dk, d, self.softmax_scale, n_block, head_kv,
+                       batch, seqlen_k)
+        self.store_acc(acc_dV, mdV, thr_dv, dv, 1.0, n_block, head_kv, batch, seqlen_k)
 
     @cute.jit
-    def store_acc_t(self, acc_t, mX, thr, width: cutlass.Constexpr[int],
-                    scale: cutlass.Constexpr[float], n_block, head_kv, batch, seqlen_k):
-        """dK = scale * (sum Q^T dS)^T and dV = (sum dO^T P)^T from the transposed
-        (width x tile_n) accumulators straight to global memory; keys past seqlen_k
-        are not stored."""
+    def store_acc(self, acc, mX, thr, width: cutlass.Constexpr[int],
+                  scale: cutlass.Constexpr[float], n_block, head_kv, batch, seqlen_k):
+        """dK = scale * sum dS^T Q and dV = sum P^T dO from their (tile_n x width)
+        accumulators, or (``swap_dkv``) the transposed (width x tile_n) ones, straight
+        to global memory; keys past seqlen_k are not stored."""
         tn = self.tile_n
         gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, 0))
-        tXgX = thr.partition_C(permute(gX, [1, 0]))  # (width, tile_n) view of the rows
-        tXcX = thr.partition_C(cute.make_identity_tensor((width, tn)))
-        rX = cute.make_fragment_like(acc_t, self.dtype)
-        if const_expr(scale != 1.0):
-            rX.store((acc_t.load() * scale).to(self.dtype))
+        if const_expr(self.swap_dkv):
+            tXgX = thr.partition_C(permute(gX, [1, 0]))  # (width, tile_n) view of the rows
+            tXcX = thr.partition_C(cute.make_identity_tensor((width, tn)))
+            key = 1
         else:
-            rX.store(acc_t.load().to(self.dtype))
+            tXgX = thr.partition_C(gX)
+            tXcX = thr.partition_C(cute.make_identity_tensor((tn, width)))
+            key = 0
+        rX = cute.make_fragment_like(acc, self.dtype)
+        if const_expr(scale != 1.0):
+            rX.store((acc.load() * scale).to(self.dtype))
+        else:
+            rX.store(acc.load().to(self.dtype))
         key_limit = seqlen_k - n_block * tn
         for i in cutlass.range_constexpr(cute.size(rX)):
-            if tXcX[i][1] < key_limit:
+            if tXcX[i][key] < key_limit:
                 tXgX[i] = rX[i]

@@ -106,7 +106,7 @@ class BwdPlan:
         det = k.kind == "bwd_det"
         if k.arch == "sm_90a" and det:
             from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic as Kernel
-        elif k.arch == "sm_90a" and k.head_dim == 256:
+        elif k.arch == "sm_90a" and k.head_dim in (192, 256):
             from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
         elif k.arch == "sm_90a":
             from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
