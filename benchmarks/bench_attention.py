@@ -242,7 +242,7 @@ def prepare_jax(attn, q, k, v, causal, bwd_timing="direct", data=()) -> Prepared
         jax.block_until_ready(fwd(q, k, v, *data))  # compiled here: a failure shows now
         return Prepared(lambda: fwd(q, k, v, *data), None, jax.block_until_ready,
                         xla_memory(fwd, (q, k, v, *data)))
-    dout = jax.random.normal(jax.random.key(3), q.shape, q.dtype)
+    dout = jax.random.normal(jax.random.key(3), q.shape[:-1] + v.shape[-1:], q.dtype)
 
     # dout is an argument: closed over, it would be a constant in the HLO.
     def _bwd(q, k, v, dout, *d):
