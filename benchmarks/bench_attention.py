@@ -216,12 +216,11 @@ class Prepared:
 
     fwd / bwd launch one forward / backward (asynchronously) and return its
     outputs; with diff, bwd is the whole forward + backward step and the backward's
-    time is that minus the forward's; bwd None: the forward alone is timed.
-    sync(outputs) waits for the device.
+    time is that minus the forward's. sync(outputs) waits for the device.
     """
 
     fwd: Callable[[], object]
-    bwd: Callable[[], object] | None
+    bwd: Callable[[], object]
     sync: Callable[[object], object]
     mem: dict
     diff: bool = False
@@ -232,16 +231,11 @@ def prepare_jax(attn, q, k, v, causal, bwd_timing="direct", data=()) -> Prepared
 
     bwd_timing "direct": the pullback alone, timed on the residuals of one forward
     (jax.vjp's function is a pytree, so a jitted function takes it as an argument);
-    "diff": the backward is the fwd+bwd step's time minus the forward's; None: the
-    forward alone (its memory the forward's).
+    "diff": the backward is the fwd+bwd step's time minus the forward's.
     data: more arguments of ``attn`` after ``causal`` (mask arrays), passed to the
     jitted functions as arguments: closed over, XLA would fold what they feed.
     """
     fwd = jax.jit(lambda q, k, v, *d: attn(q, k, v, causal, *d))
-    if bwd_timing is None:
-        jax.block_until_ready(fwd(q, k, v, *data))  # compiled here: a failure shows now
-        return Prepared(lambda: fwd(q, k, v, *data), None, jax.block_until_ready,
-                        xla_memory(fwd, (q, k, v, *data)))
     dout = jax.random.normal(jax.random.key(3), q.shape[:-1] + v.shape[-1:], q.dtype)
 
     # dout is an argument: closed over, it would be a constant in the HLO.
@@ -291,8 +285,7 @@ def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: 
     calls = {}
     for name, prep in preps.items():
         calls[(name, "fwd")] = prep.fwd
-        if prep.bwd is not None:
-            calls[(name, "bwd")] = prep.bwd
+        calls[(name, "bwd")] = prep.bwd
     syncs = list(dict.fromkeys(p.sync for p in preps.values()))
 
     def sync_all(outs):
@@ -303,7 +296,7 @@ def measure_rounds(preps: dict[str, Prepared], iters: int, rounds: int, settle: 
              if calls else {})
     out = {}
     for name, prep in preps.items():
-        tf, tb = times[(name, "fwd")], times.get((name, "bwd"), [float("nan")])
+        tf, tb = times[(name, "fwd")], times[(name, "bwd")]
         med_f, med_b = statistics.median(tf), statistics.median(tb)
         rng = lambda ts, m: (max(ts) - min(ts)) / m  # noqa: E731
         if prep.diff:  # per round, the step minus that round's forward

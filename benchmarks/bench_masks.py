@@ -16,12 +16,12 @@ Cases (the masks issue's rows):
                causal, window (128, 0), sinks (GPT-OSS's shape) (learnable_sink)
   softcap      B=2 x 8k, causal, softcap 30 (Gemma 2)           vs flash-attn-4 (softcap)
   hdim96       B=2 x 8k, causal, 16 heads of 96                 vs cuDNN, flash-attn-4
-  hdim192      B=2 x 8k, causal, 16 heads of 192, forward only  vs cuDNN, flash-attn-4
+  hdim192      B=2 x 8k, causal, 16 heads of 192                vs cuDNN, flash-attn-4
   mla          B=2 x 8k, causal, 16 heads of (192, 128)         vs flash-attn-4 (jax.nn
-               (DeepSeek's), forward only                       takes no other v dim)
+               (DeepSeek's)                                     takes no other v dim)
 
 TFLOP/s count the visible (query, key) pairs: forward 2 * H * (D + Dv) * pairs,
-backward 2.5x. Forward-only rows time no backward (their backward runs no kernel).
+backward 2.5x.
 Writes bench_masks_<date>.csv to --out (default ./bench_out).
 
     python benchmarks/bench_masks.py [--out DIR] [--peers fa4,cudnn] [--cases lengths,...]
@@ -78,7 +78,6 @@ class Case:
     kv_heads: int = HEADS
     hdim: int = HDIM
     hdim_v: int | None = None  # None: hdim
-    backward: bool = True
 
 
 def cases() -> list[Case]:
@@ -174,10 +173,6 @@ def prepare_fa4(c: Case, q, k, v) -> Prepared:
         out = func(tq, tk, tv, **kw)
         return out[0] if isinstance(out, tuple) else out
 
-    if not c.backward:
-        fwd()
-        torch.cuda.synchronize()
-        return Prepared(fwd, None, lambda _: torch.cuda.synchronize(), {})
     dout = torch.randn_like(fwd())
     torch.autograd.grad(fwd(), (tq, tk, tv), dout)
     torch.cuda.synchronize()
@@ -228,8 +223,7 @@ def main(argv=None):
         for name, (arrays, attn) in impls.items():
             print(f"[{i + 1}/{len(chosen)}] {c.name}: {name} (set up) ...", flush=True)
             try:
-                preps[name] = prepare_jax(attn, q, k, v, None, data=tuple(arrays.values()),
-                                          bwd_timing="direct" if c.backward else None)
+                preps[name] = prepare_jax(attn, q, k, v, None, data=tuple(arrays.values()))
             except Exception as e:  # noqa: BLE001 - report and continue with the others
                 print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         if c.fa4 is not None and "fa4" in peers:

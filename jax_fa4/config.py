@@ -28,11 +28,6 @@ KERNEL_HEAD_DIMS = {
     # Compiled, not run on hardware: no Blackwell GPU has been available.
     "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
-# Those with a backward kernel too (the others' backward runs the logged reference).
-BWD_KERNEL_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
-    "sm_100a": ((64, 64), (96, 96), (128, 128)),
-}
 
 # Environment override of the kernel architecture, for lowering on a machine
 # without a GPU (CI cross-compiles) or to force one target: "sm_90a" / "sm_100a".
@@ -150,20 +145,16 @@ def dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
-def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int,
-                         kind: str = "fwd") -> str | None:
-    """Why no kernel of ``arch`` takes this problem (``kind`` "fwd" or "bwd"), or None
-    if one does."""
+def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> str | None:
+    """Why no kernel of ``arch`` takes this problem, or None if one does."""
     if arch not in KERNEL_HEAD_DIMS:
         return f"no jax_fa4 kernel for architecture {arch}"
     if dtype_name(dtype) not in KERNEL_DTYPES:
         return f"dtype {dtype_name(dtype)} has no kernel (supported: {', '.join(KERNEL_DTYPES)})"
-    table = BWD_KERNEL_HEAD_DIMS if kind == "bwd" else KERNEL_HEAD_DIMS
-    if (head_dim, head_dim_v) not in table[arch]:
-        dims = ", ".join(f"{d}" if d == dv else f"({d}, {dv})" for d, dv in table[arch])
-        what = "backward kernel" if kind == "bwd" else "kernel"
+    if (head_dim, head_dim_v) not in KERNEL_HEAD_DIMS[arch]:
+        dims = ", ".join(f"{d}" if d == dv else f"({d}, {dv})" for d, dv in KERNEL_HEAD_DIMS[arch])
         return (
-            f"head dims (qk={head_dim}, v={head_dim_v}) have no {arch} {what} "
+            f"head dims (qk={head_dim}, v={head_dim_v}) have no {arch} kernel "
             f"(supported: {dims})"
         )
     return None

@@ -52,11 +52,7 @@ def _opcodes(sass: str) -> str:
 
 
 def _configs(archs):
-    from jax_fa4.config import (
-        BWD_KERNEL_HEAD_DIMS,
-        DETERMINISTIC_BWD_HEAD_DIMS,
-        KERNEL_HEAD_DIMS,
-    )
+    from jax_fa4.config import DETERMINISTIC_BWD_HEAD_DIMS, KERNEL_HEAD_DIMS
 
     for arch in archs:
         for (d, dv), causal, det, lse in itertools.product(
@@ -64,15 +60,11 @@ def _configs(archs):
         ):
             if det and (d, dv) not in DETERMINISTIC_BWD_HEAD_DIMS[arch]:
                 continue
-            # Forward-only head dims: one configuration per mask (no backward).
-            fwd_only = (d, dv) not in BWD_KERNEL_HEAD_DIMS[arch]
-            if fwd_only and (det or lse):
-                continue
             for dtype in ("bfloat16", "float16"):
-                yield arch, dtype, d, dv, causal, det, lse, fwd_only
+                yield arch, dtype, d, dv, causal, det, lse
 
 
-def _lower(arch, dtype, d, dv, causal, det, lse, fwd_only=False):
+def _lower(arch, dtype, d, dv, causal, det, lse):
     import jax
     import jax.numpy as jnp
 
@@ -90,12 +82,8 @@ def _lower(arch, dtype, d, dv, causal, det, lse, fwd_only=False):
             return out.astype(jnp.float32).sum() + l.sum()
         return out.astype(jnp.float32).sum()
 
-    if fwd_only:
-        fn = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, causal=causal,
-                                                       implementation="cute"))
-    else:
-        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    fn.trace(q, q, v).lower(lowering_platforms=("cuda",))
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, v).lower(
+        lowering_platforms=("cuda",))
 
 
 def digest(archs, out_path: str) -> None:

@@ -212,7 +212,7 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     arch, source = target_arch()
     if arch is None:
         return None, f"no kernel for this GPU ({source})"
-    err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1], kind)
+    err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
     if err is None and config.masked:
         err = masked_kernel_error(arch, kind, config)
     if err is None and kind == "bwd" and config.deterministic:
