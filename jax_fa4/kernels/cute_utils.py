@@ -107,6 +107,20 @@ def pack_rows(t: cute.Tensor, group: int, row_mode: int, head_mode: int | None) 
     return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
 
 
+def packed_gqa_views(group: int, mQ, mO, mLSE, mRanges, mQSeg):
+    """(mQ, mO, mLSE, mRanges, mQSeg) of a masked forward re-viewed for packed GQA
+    heads (Note [Packed GQA] in sm90_fwd.py): Q and O (Sq, D, Hq, B) and LSE (Sq, Hq,
+    B) with rows (position, query head of the group) and the KV heads as heads; the
+    per-position intervals (B, Sq, 2) and query segment ids (B, Sq) or None repeat
+    over the group."""
+    mQ, mO = [pack_rows(t, group, 0, 2) for t in (mQ, mO)]
+    mLSE = pack_rows(mLSE, group, 0, 1)
+    mRanges = pack_rows(mRanges, group, 1, None)
+    if const_expr(mQSeg is not None):
+        mQSeg = pack_rows(mQSeg, group, 1, None)
+    return mQ, mO, mLSE, mRanges, mQSeg
+
+
 def transpose_smem(t: cute.Tensor) -> cute.Tensor:
     """Swap the first two modes of an SMEM tensor without moving data
     (e.g. V (n, dv, stage) -> V^T (dv, n, stage))."""
@@ -282,6 +296,14 @@ class FwdCall:
     masked = False
     segments = False
     sinks = False
+    pack_gqa = 1
+
+    def q_rows(self, mQ: cute.Tensor):
+        """Rows of the (permuted) query view: Sq, or Sq x group packed (Note [Packed
+        GQA] in sm90_fwd.py)."""
+        if const_expr(self.pack_gqa > 1):
+            return cute.size(mQ, mode=[0])
+        return mQ.shape[0]
 
     @cute.jit
     def __call__(

@@ -74,7 +74,7 @@ from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
     as_cutlass_dtype,
-    pack_rows,
+    packed_gqa_views,
     permute,
     set_mask_flags,
     tma_tile_partition,
@@ -285,12 +285,6 @@ class FlashFwdSm100(FwdCall):
             t,
         )
 
-    def q_rows(self, mQ: cute.Tensor):
-        """Rows of the query view: Sq, or Sq x group packed (Note [Packed GQA])."""
-        if cutlass.const_expr(self.pack_gqa > 1):
-            return cute.size(mQ, mode=[0])
-        return mQ.shape[0]
-
     # ------------------------------------------------------------------ host
     @cute.jit
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -309,15 +303,9 @@ class FlashFwdSm100(FwdCall):
         mQ, mK, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
         mVt = permute(mV, [3, 1, 2, 0])
         mLSE = permute(mLSE, [2, 1, 0])
-        if cutlass.const_expr(self.pack_gqa > 1):
-            # Note [Packed GQA] in sm90_fwd.py: rows (position, query head of the
-            # group), heads the KV heads; per-position operands repeat over the group.
-            g = self.pack_gqa
-            mQ, mO = [pack_rows(t, g, 0, 2) for t in (mQ, mO)]
-            mLSE = pack_rows(mLSE, g, 0, 1)
-            mRanges = pack_rows(mRanges, g, 1, None)
-            if cutlass.const_expr(mQSeg is not None):
-                mQSeg = pack_rows(mQSeg, g, 1, None)
+        if cutlass.const_expr(self.pack_gqa > 1):  # Note [Packed GQA] in sm90_fwd.py
+            mQ, mO, mLSE, mRanges, mQSeg = packed_gqa_views(self.pack_gqa, mQ, mO, mLSE,
+                                                            mRanges, mQSeg)
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         stages = self.tiles.kv_stages

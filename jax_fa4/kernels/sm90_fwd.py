@@ -44,7 +44,7 @@ from jax_fa4.kernels.cute_utils import (
     as_cutlass_dtype,
     consumer_release_elected,
     convert_to_operand_a,
-    pack_rows,
+    packed_gqa_views,
     permute,
     pin_fragment,
     set_mask_flags,
@@ -435,15 +435,9 @@ class FlashFwdSm90(FwdCall):
         # FA4 order: (seqlen, head_dim, heads, batch); LSE (seqlen, heads, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
-        if cutlass.const_expr(self.pack_gqa > 1):
-            # Note [Packed GQA]: rows (position, query head of the group), heads the
-            # KV heads; the per-position operands repeat over the group.
-            g = self.pack_gqa
-            mQ, mO = [pack_rows(t, g, 0, 2) for t in (mQ, mO)]
-            mLSE = pack_rows(mLSE, g, 0, 1)
-            mRanges = pack_rows(mRanges, g, 1, None)
-            if cutlass.const_expr(mQSeg is not None):
-                mQSeg = pack_rows(mQSeg, g, 1, None)
+        if cutlass.const_expr(self.pack_gqa > 1):  # Note [Packed GQA]
+            mQ, mO, mLSE, mRanges, mQSeg = packed_gqa_views(self.pack_gqa, mQ, mO, mLSE,
+                                                            mRanges, mQSeg)
 
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         major = cute.nvgpu.OperandMajorMode
@@ -730,12 +724,6 @@ class FlashFwdSm90(FwdCall):
             # its stages (Note [K/V multicast]).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-
-    def q_rows(self, mQ: cute.Tensor):
-        """Rows of the query view: Sq, or Sq x group packed (Note [Packed GQA])."""
-        if cutlass.const_expr(self.pack_gqa > 1):
-            return cute.size(mQ, mode=[0])
-        return mQ.shape[0]
 
     def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
