@@ -57,7 +57,7 @@ def test_bwd_rejects_unsupported_head_dim():
         from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
 
         with pytest.raises(ValueError):
-            FlashBwdSm100(cutlass.BFloat16, 96, 96, False, 0.1)
+            FlashBwdSm100(cutlass.BFloat16, 160, 160, False, 0.1)
 
 
 @needs_cutlass

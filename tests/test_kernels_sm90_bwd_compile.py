@@ -208,9 +208,9 @@ def test_refuses_what_it_has_no_build_for():
     from jax_fa4.kernels.sm90_bwd import BwdTiles, FlashBwdSm90
     from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
 
-    for cls, d, dv in ((FlashBwdSm90, 96, 96), (FlashBwdSm90, 128, 64),
+    for cls, d, dv in ((FlashBwdSm90, 160, 160), (FlashBwdSm90, 128, 64),
                        (FlashBwdSm90Wide, 128, 128), (FlashBwdSm90Wide, 256, 128)):
-        with pytest.raises(ValueError, match="head_dim"):
+        with pytest.raises(ValueError, match="head dims"):
             cls(cutlass.BFloat16, d, dv)
     with pytest.raises(TypeError):
         FlashBwdSm90Wide(cutlass.Float32, 256)
@@ -309,10 +309,11 @@ def test_stats_shuffle_columns_match_the_wgmma_layout():
 
 
 @needs_cutlass
-def test_wide_dq_smem_addresses():
+@pytest.mark.parametrize("d", [192, WIDE])
+def test_wide_dq_smem_addresses(d):
     """The wide kernel's dQ SMEM store's 4-base address arithmetic (Note [dQ SMEM
     addresses]) against the plain 128-byte swizzle of every (thread, register) of the
-    dQ accumulator, at trace time with static thread indices."""
+    dQ accumulator, at trace time with static thread indices, at hdim 192 and 256."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32
@@ -321,8 +322,8 @@ def test_wide_dq_smem_addresses():
     from jax_fa4.kernels import sm90_bwd_wide as wide
     from jax_fa4.kernels.cute_utils import sm90_smem_layout
 
-    kernel = wide.FlashBwdSm90Wide(cutlass.BFloat16, WIDE)
-    tm, d = kernel.tile_m, kernel.head_dim
+    kernel = wide.FlashBwdSm90Wide(cutlass.BFloat16, d)
+    tm = kernel.tile_m
     mismatches, addresses = [], set()
 
     def byte_swizzle_128(lin):  # written out in bytes, as the TMA box sees it
@@ -330,7 +331,7 @@ def test_wide_dq_smem_addresses():
         return (b ^ ((b >> 3) & 0x70)) // 4
 
     def walk():  # plain Python: runs once while the jit function below traces
-        _, _, mma_dq = kernel._tiled_mmas()
+        *_, mma_dq = kernel._tiled_mmas()
         outer = sm90_smem_layout(Float32, tm, d, None).outer
         for t in range(kernel.num_mma_threads):
             thr = mma_dq.get_slice(t)

@@ -102,7 +102,8 @@ def test_fwd_tiles_head_dims():
     assert fwd_tiles(256, 256, False).tile_n == 80
     assert fwd_tiles(128, 128, True).tile_n == 128
     assert fwd_tiles(64, 64, True).tile_m == 192
-    for d, dv in [(192, 192), (256, 128), (160, 160)]:
+    assert fwd_tiles(192, 192, True).tile_n == fwd_tiles(192, 128, False).tile_n == 112
+    for d, dv in [(256, 128), (160, 160), (128, 192)]:
         with pytest.raises(ValueError):
             fwd_tiles(d, dv, False)
 

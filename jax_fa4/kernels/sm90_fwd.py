@@ -273,7 +273,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
             q_in_regs=not causal and head_dim == head_dim_v == 128,  # faster; level causal
             pin_p=True,
         )
-    if d <= 192 and head_dim_v <= head_dim:
+    if (head_dim, head_dim_v) in ((192, 192), (192, 128)):
         # flash-attn-4's 128 x 112 at hdim 192, also for DeepSeek's (192, 128): Q 48 KiB
         # (O reuses it), 2 stages of K and V up to 42 KiB each, 216 KiB at (192, 192),
         # so no persistent CTAs; otherwise the hdim-256 row's choices.
@@ -295,7 +295,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
             merge_diagonal_loop=causal,  # compile time too; level on the H200
         )
     raise ValueError(
-        f"sm90 forward supports head dims up to 192 (v no wider than qk) and 256, got "
+        f"sm90 forward supports head dims up to 128, 192, (192, 128) and 256, got "
         f"{head_dim}, {head_dim_v}"
     )
 
