@@ -117,29 +117,27 @@ def _resolve_softcap(softcap) -> float | None:
     return softcap
 
 
-def _check_sinks(sinks, hq: int) -> jax.Array | None:
-    if sinks is None:
-        return None
-    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
-        raise TypeError(f"sinks must be a float32 array, got {type(sinks).__name__}")
-    if sinks.dtype != jnp.float32:
-        raise TypeError(f"sinks must be float32, got {sinks.dtype}")
-    if tuple(sinks.shape) != (hq,):
-        raise ValueError(f"sinks must have shape (query heads,) = ({hq},), "
-                         f"got {tuple(sinks.shape)}")
-    return sinks
-
-
-def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
+def _check_array(name: str, x, dtype: str, shape: tuple[int, ...],
+                 shape_text: str = "") -> jax.Array | None:
+    """``x`` (or None) checked to be a ``dtype`` array of ``shape`` (named
+    ``shape_text`` in the error, if given)."""
     if x is None:
         return None
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an int32 array, got {type(x).__name__}")
-    if x.dtype != jnp.int32:
-        raise TypeError(f"{name} must be int32, got {x.dtype}")
+        raise TypeError(f"{name} must be an array of {dtype}, got {type(x).__name__}")
+    if x.dtype != jnp.dtype(dtype):
+        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
     if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape {shape_text}{shape}, got {tuple(x.shape)}")
     return x
+
+
+def _check_sinks(sinks, hq: int) -> jax.Array | None:
+    return _check_array("sinks", sinks, "float32", (hq,), "(query heads,) = ")
+
+
+def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
+    return _check_array(name, x, "int32", shape)
 
 
 def _check_masks(unbatched: bool, b: int, sq: int, sk: int, q_lengths, kv_lengths,
