@@ -140,6 +140,57 @@ def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
     return _check_array(name, x, "int32", shape)
 
 
+@jax.custom_vjp
+def _forward_only(xs):
+    return xs
+
+
+def _forward_only_fwd(xs):
+    return xs, None
+
+
+def _forward_only_bwd(_, g):
+    raise ValueError("jax_fa4.attention with a page_table is forward only (inference): "
+                     "it has no gradient")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def _gather_pages(query, key, value, page_table, kv_lengths, kv_segment_ids):
+    """(key, value, kv_lengths) of a paged call as contiguous ``[B, P * page_size, Hkv,
+    D]`` arrays: sequence b's keys are pages ``page_table[b]`` of the pools ``key`` /
+    ``value`` in table order, cut at ``kv_lengths[b]`` (clamped to the table's
+    capacity). Page ids outside the pool are clamped into it (never read out of
+    bounds); keys past a sequence's length are masked by its length."""
+    _check_qkv(query, query, query)
+    if query.ndim != 4:
+        raise ValueError(f"page_table needs a batched query [batch, seq, heads, head_dim]; "
+                         f"got shape {tuple(query.shape)}")
+    for name, x in (("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"with page_table, {name} is a page pool [num_pages, page_size, "
+                             f"kv_heads, head_dim]; got shape {tuple(x.shape)}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"key and value pools differ in pages, page size or heads: "
+                         f"{tuple(key.shape)} vs {tuple(value.shape)}")
+    b = int(query.shape[0])
+    if not hasattr(page_table, "shape") or page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must have shape [batch, pages_per_sequence] = [{b}, P]; "
+                         f"got {getattr(page_table, 'shape', type(page_table).__name__)}")
+    _check_array("page_table", page_table, "int32", tuple(page_table.shape))
+    if kv_lengths is None:
+        raise ValueError("page_table needs kv_lengths (int32 [batch]): a sequence's keys are "
+                         "its pages cut at its length")
+    if kv_segment_ids is not None:
+        raise ValueError("page_table does not take kv_segment_ids")
+    lengths = _check_mask_array("kv_lengths", kv_lengths, (b,))
+    capacity = int(page_table.shape[1]) * int(key.shape[1])
+    k, v = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:])
+            for x in (key, value))
+    return k, v, jnp.clip(lengths, 0, capacity)
+
+
 def _check_masks(unbatched: bool, b: int, sq: int, sk: int, q_lengths, kv_lengths,
                  q_segment_ids, kv_segment_ids) -> Masks:
     """The mask arrays, batched; shapes and dtypes checked."""
@@ -235,6 +286,7 @@ def attention(
     kv_segment_ids: jax.Array | None = None,
     softcap: float | None = None,
     sinks: jax.Array | None = None,
+    page_table: jax.Array | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -263,23 +315,27 @@ def attention(
         A query row that sees no key gives out 0, lse -inf, zero gradients.
       softcap: c (finite, > 0): each scaled logit s = scale * q.k becomes
         c * tanh(s / c) before the softmax (Gemma 2's logit capping); the backward
-        applies its derivative. None: off. No kernel takes it yet: it runs the
-        reference path (logged once; ``implementation="cute"`` raises).
+        applies its derivative. None: off.
       sinks: float32 ``[Hq]``: one learnable logit per query head that joins every
         row's softmax denominator and attends to no value (GPT-OSS, streaming
         attention): out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij));
         the returned lse includes it, and it gets its gradient. A row that sees no
-        key then gives out 0 and lse = sink_h. The forward runs the reference path
-        (logged once; ``implementation="cute"`` raises); the backward kernels take
-        it through the lse.
+        key then gives out 0 and lse = sink_h.
+      page_table: int32 ``[B, pages_per_sequence]``: a paged KV cache. ``key`` and
+        ``value`` are then page pools ``[num_pages, page_size, Hkv, D]`` and sequence
+        b's keys are its pages in table order, cut at ``kv_lengths[b]`` (required;
+        clamped to the table's capacity); page ids outside the pool are clamped into
+        it. Decode (Sq = 1), multi-token decode and chunked prefill (``causal=
+        "bottom_right"``). Forward only: differentiating raises. The pages are
+        gathered into contiguous K / V (one XLA gather) for the kernels.
       return_lse: also return the log-sum-exp of the scaled logits.
       implementation: None = the CuTe DSL kernel where one exists for the
         device, dtype and head dims, else the reference path (logged once);
         "cute" = the kernel or a clear error; "reference" = pure JAX.
       deterministic: make the backward bitwise reproducible. The default
         backward adds the dQ partials of its key blocks in whatever order they
-        finish; this one adds them in a fixed key-block order (head dims 64 and
-        128 on sm_90a, and sm_100a: compiled, not run on hardware; masks
+        finish; this one adds them in a fixed key-block order (head dims 64, 96
+        and 128 on sm_90a, and sm_100a: compiled, not run on hardware; masks
         included; 0.81-0.98x the default backward's speed on the H200 without
         masks). Where no deterministic kernel
         exists the backward runs the reference path (logged once), or raises
@@ -290,6 +346,10 @@ def attention(
       ``(out, lse)`` where ``lse`` is ``[B, Hq, Sq]`` float32 (natural log) and
       differentiable.
     """
+    if page_table is not None:
+        key, value, kv_lengths = _gather_pages(query, key, value, page_table, kv_lengths,
+                                               kv_segment_ids)
+        query, key, value, sinks = _forward_only((query, key, value, sinks))
     _check_qkv(query, key, value)
     head_dim, head_dim_v = int(query.shape[-1]), int(value.shape[-1])
     _check_implementation(implementation, query.dtype, head_dim, head_dim_v)
