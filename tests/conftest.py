@@ -85,3 +85,21 @@ def assert_close_2x(got, ref_hi, ref_lo, atol: float, name: str = "") -> None:
     err = max_err(got, ref_hi)
     base = max_err(ref_lo, ref_hi)
     assert err <= 2 * base + atol, f"{name}: err {err:.3e} > 2 * {base:.3e} + {atol:.1e}"
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Every kernel call the lowering makes from now on, recorded as (KernelKey,
+    [(shape, dtype) of each input]) (the CuTe DSL needed: the test skips without it)."""
+    pytest.importorskip("cutlass")
+    from jax_fa4.rules import kernels_cuda
+
+    calls = []
+    real = kernels_cuda.kernel_call
+
+    def call(key, build, inputs, *args, **kwargs):
+        calls.append((key, [(tuple(x.shape), x.dtype) for x in inputs]))
+        return real(key, build, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
+    return calls

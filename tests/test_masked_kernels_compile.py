@@ -53,23 +53,14 @@ def _lower(fn, d, sq=SQ, sk=SK):
 
 
 @pytest.mark.parametrize("d", [128])
-def test_masks_lower_to_the_sm90_kernels_one_build_for_all(monkeypatch, d):
+def test_masks_lower_to_the_sm90_kernels_one_build_for_all(monkeypatch, kernel_calls, d):
     """Lengths + causal, a window, bottom-right causal: four custom calls each, and
     the same forward and backward main kernel for all three."""
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
-    from jax_fa4.rules import kernels_cuda
-
-    keys = []
-    real = kernels_cuda.kernel_call
-
-    def call(key, *args, **kwargs):
-        keys.append(key)
-        return real(key, *args, **kwargs)
-
-    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
     for masks in (dict(causal=True, kv_lengths=True), dict(window=(17, 3)),
                   dict(causal="bottom_right")):
         assert _lower(_step(**masks), d).count(CALL) == 4
+    keys = [k for k, _ in kernel_calls]
     fwd = {k for k in keys if k.kind == "fwd"}
     main = {k for k in keys if k.kind == "bwd"}
     assert len(fwd) == len(main) == 1
@@ -78,24 +69,16 @@ def test_masks_lower_to_the_sm90_kernels_one_build_for_all(monkeypatch, d):
 
 
 @pytest.mark.parametrize("arch,d", [("sm_90a", 64), ("sm_90a", 128), ("sm_100a", 128)])
-def test_deterministic_masks_lower_to_the_kernel(monkeypatch, arch, d):
+def test_deterministic_masks_lower_to_the_kernel(monkeypatch, kernel_calls, arch, d):
     """deterministic=True with masks: four custom calls, the main one the masked
     deterministic kernel (kind "bwd_det"), which takes after mdQaccum one semaphore
     per query block of its masked tiles, then the intervals, the segment ids, and
     last each key block's walk (B, ceil(Sk / tile_n), 2). sm_100a: compiled, not
     run on hardware."""
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
-    from jax_fa4.rules import kernels_cuda
     from jax_fa4.rules.plan import bwd_plan
 
-    calls = []
-    real = kernels_cuda.kernel_call
-
-    def call(key, build, inputs, *args, **kwargs):
-        calls.append((key, [(x.shape, x.dtype) for x in inputs]))
-        return real(key, build, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
+    calls = kernel_calls
     masks = dict(causal="bottom_right", window=(40, None), kv_lengths=True,
                  q_segment_ids=True, kv_segment_ids=True)
     assert _lower(_step(deterministic=True, **masks), d).count(CALL) == 4

@@ -149,22 +149,11 @@ def test_bad_sinks_raise(sinks, err, match):
                                        ("sm_90a", 128, dict(causal=True)),
                                        ("sm_90a", 256, dict()),
                                        ("sm_100a", 128, dict(causal=True))])
-def test_forward_kernels_take_sinks(monkeypatch, arch, d, kw):
+def test_forward_kernels_take_sinks(monkeypatch, kernel_calls, arch, d, kw):
     """The forward kernel takes the sink logits, (B, Hq) float32, last, and its build
     is keyed by them; the step is the four kernel calls (sm_100a: compiled, not run
     on hardware)."""
-    pytest.importorskip("cutlass")
-    from jax_fa4.rules import kernels_cuda
-
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
-    calls = []
-    real = kernels_cuda.kernel_call
-
-    def call(key, build, inputs, *args, **kwargs):
-        calls.append((key, [(tuple(x.shape), x.dtype) for x in inputs]))
-        return real(key, build, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
     q, k, v = (jax.ShapeDtypeStruct((2, 200, 4, d), jnp.bfloat16),) * 3
     s = jax.ShapeDtypeStruct((4,), jnp.float32)
     fn = jax.jit(jax.grad(lambda q, k, v, s: jax_fa4.attention(
@@ -172,7 +161,7 @@ def test_forward_kernels_take_sinks(monkeypatch, arch, d, kw):
         argnums=(0, 3)))
     text = fn.trace(q, k, v, s).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("CuteDSLRT_NvJaxCutlassCall") == 4
-    (key, inputs), = [c for c in calls if c[0].kind == "fwd"]
+    (key, inputs), = [c for c in kernel_calls if c[0].kind == "fwd"]
     assert key.sinks and inputs[-1] == ((2, 4), jnp.float32)
 
 

@@ -125,27 +125,16 @@ def test_traced_softcap_raises():
     ("sm_100a", 128, dict(causal=True)),
     ("sm_100a", 64, dict(causal="bottom_right", deterministic=True)),
 ])
-def test_kernels_take_softcap(monkeypatch, arch, d, kw):
+def test_kernels_take_softcap(monkeypatch, kernel_calls, arch, d, kw):
     """Forward and backward main kernel are built for the cap (their keys carry it);
     the step is the four kernel calls (sm_100a: compiled, not run on hardware)."""
-    pytest.importorskip("cutlass")
-    from jax_fa4.rules import kernels_cuda
-
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
-    keys = []
-    real = kernels_cuda.kernel_call
-
-    def call(key, build, *args, **kwargs):
-        keys.append(key)
-        return real(key, build, *args, **kwargs)
-
-    monkeypatch.setattr(kernels_cuda, "kernel_call", call)
     q, k, v = (jax.ShapeDtypeStruct((2, 200, 4, d), jnp.bfloat16),) * 3
     fn = jax.jit(jax.grad(lambda q, k, v: jax_fa4.attention(
         q, k, v, softcap=30.0, implementation="cute", **kw).astype(jnp.float32).sum()))
     text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("CuteDSLRT_NvJaxCutlassCall") == 4
-    caps = {key.kind: key.softcap for key in keys}
+    caps = {key.kind: key.softcap for key, _ in kernel_calls}
     main = "bwd_det" if kw.get("deterministic") else "bwd"
     assert caps["fwd"] == caps[main] == 30.0
     # The pre- and postprocess do not depend on it.
