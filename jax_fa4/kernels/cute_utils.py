@@ -64,6 +64,20 @@ def set_mask_flags(kernel, causal: bool, masked: bool, segments: bool) -> None:
     kernel.segments = segments
 
 
+def set_forward_extras(kernel, sinks: bool, softcap: float | None, pack_gqa: int) -> None:
+    """Store a forward kernel's ``sinks``, ``softcap`` (with ``score_scales``'
+    ``cap_in`` and ``scale_log2``) and ``pack_gqa``, after its ``softmax_scale``,
+    ``masked`` and ``tile_m``: packed GQA heads serve the masked forward with a group
+    that divides tile_m (Note [Packed GQA] in sm90_fwd.py)."""
+    kernel.sinks = sinks
+    kernel.softcap = softcap
+    kernel.cap_in, kernel.scale_log2 = score_scales(kernel.softmax_scale, softcap)
+    kernel.pack_gqa = pack_gqa
+    if pack_gqa > 1 and (not kernel.masked or kernel.tile_m % pack_gqa):
+        raise ValueError(f"pack_gqa serves the masked forward with a group that divides "
+                         f"tile_m {kernel.tile_m}, got {pack_gqa}")
+
+
 def _pop_int32(rest: list, what: str):
     """The first of a call's remaining operands, checked to be int32 (``what`` names
     it in the error)."""

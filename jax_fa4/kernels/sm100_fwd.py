@@ -76,6 +76,7 @@ from jax_fa4.kernels.cute_utils import (
     as_cutlass_dtype,
     packed_gqa_views,
     permute,
+    set_forward_extras,
     set_mask_flags,
     tma_tile_partition,
 )
@@ -85,7 +86,6 @@ from jax_fa4.kernels.softmax import (
     RESCALE_THRESHOLD,
     cap_scores,
     finalize_with_sink,
-    score_scales,
 )
 
 logger = logging.getLogger(__name__)
@@ -254,23 +254,17 @@ class FlashFwdSm100(FwdCall):
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.causal = causal
         set_mask_flags(self, causal, masked, segments)
-        self.sinks = sinks
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )
         if self.softmax_scale <= 0.0:
             raise ValueError("softmax_scale must be positive")
-        self.softcap = softcap
-        self.cap_in, self.scale_log2 = score_scales(self.softmax_scale, softcap)
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         if (self.tile_m, self.tile_n) != (128, 128):
             raise ValueError("sm100 forward is written for 128 x 128 tiles")
-        self.pack_gqa = pack_gqa
-        if pack_gqa > 1 and (not masked or self.tile_m % pack_gqa):
-            raise ValueError(f"pack_gqa serves the masked forward with a group that "
-                             f"divides tile_m {self.tile_m}, got {pack_gqa}")
+        set_forward_extras(self, sinks, softcap, pack_gqa)
         if 2 * self.tile_n + 2 * self.head_dim_v > _TMEM_COLS:
             raise ValueError("S0, S1, O0, O1 do not fit in tensor memory")
         if self.tile_n % 32 or t.sw_exp2_per_32 % 2 or not 0 <= t.sw_exp2_per_32 <= 32:

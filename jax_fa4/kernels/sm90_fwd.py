@@ -47,6 +47,7 @@ from jax_fa4.kernels.cute_utils import (
     packed_gqa_views,
     permute,
     pin_fragment,
+    set_forward_extras,
     set_mask_flags,
     sm90_smem_layout,
     stmatrix_acc,
@@ -62,7 +63,6 @@ from jax_fa4.kernels.softmax import (
     cap_scores,
     rescale_rows,
     rescale_rows_if_needed,
-    score_scales,
 )
 
 logger = logging.getLogger(__name__)
@@ -373,21 +373,15 @@ class FlashFwdSm90(FwdCall):
             raise ValueError("head dims must be multiples of 16")
         self.causal = causal
         set_mask_flags(self, causal, masked, segments)
-        self.sinks = sinks
         # Tiles of unequal cost: launched (or handed out) longest first.
         self.lpt = causal or masked
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
         )
-        self.softcap = softcap
-        self.cap_in, self.scale_log2 = score_scales(self.softmax_scale, softcap)
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal, masked)
         t = self.tiles
         self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
-        self.pack_gqa = pack_gqa
-        if pack_gqa > 1 and (not masked or self.tile_m % pack_gqa):
-            raise ValueError(f"pack_gqa serves the masked forward with a group that "
-                             f"divides tile_m {self.tile_m}, got {pack_gqa}")
+        set_forward_extras(self, sinks, softcap, pack_gqa)
         if self.tile_m not in (128, 192):
             # Ping-pong takes turns between two or more consumer warpgroups.
             raise ValueError(f"tile_m must be 128 or 192 (64 rows per consumer "
