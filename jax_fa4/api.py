@@ -140,29 +140,12 @@ def _check_mask_array(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
     return _check_array(name, x, "int32", shape)
 
 
-@jax.custom_vjp
-def _forward_only(xs):
-    return xs
-
-
-def _forward_only_fwd(xs):
-    return xs, None
-
-
-def _forward_only_bwd(_, g):
-    raise ValueError("jax_fa4.attention with a page_table is forward only (inference): "
-                     "it has no gradient")
-
-
-_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
-
-
-def _gather_pages(query, key, value, page_table, kv_lengths, kv_segment_ids):
-    """(key, value, kv_lengths) of a paged call as contiguous ``[B, P * page_size, Hkv,
-    D]`` arrays: sequence b's keys are pages ``page_table[b]`` of the pools ``key`` /
-    ``value`` in table order, cut at ``kv_lengths[b]`` (clamped to the table's
-    capacity). Page ids outside the pool are clamped into it (never read out of
-    bounds); keys past a sequence's length are masked by its length."""
+def _check_pages(query, key, value, page_table, kv_lengths, kv_segment_ids):
+    """(the keys' logical shape [B, P * page_size, Hkv, D], kv_lengths clamped to
+    the table's capacity) of a paged call, its arguments checked: sequence b's keys
+    are pages ``page_table[b]`` of the pools ``key`` / ``value`` in table order, cut
+    at ``kv_lengths[b]``. (Page ids outside the pool are clamped into it where the
+    pages are read: never out of bounds.)"""
     _check_qkv(query, query, query)
     if query.ndim != 4:
         raise ValueError(f"page_table needs a batched query [batch, seq, heads, head_dim]; "
@@ -186,9 +169,7 @@ def _gather_pages(query, key, value, page_table, kv_lengths, kv_segment_ids):
         raise ValueError("page_table does not take kv_segment_ids")
     lengths = _check_mask_array("kv_lengths", kv_lengths, (b,))
     capacity = int(page_table.shape[1]) * int(key.shape[1])
-    k, v = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:])
-            for x in (key, value))
-    return k, v, jnp.clip(lengths, 0, capacity)
+    return (b, capacity, *key.shape[2:]), jnp.clip(lengths, 0, capacity)
 
 
 def _check_masks(unbatched: bool, b: int, sq: int, sk: int, q_lengths, kv_lengths,
@@ -242,6 +223,9 @@ def _attention_fwd(q, k, v, masks, config):
 
 
 def _attention_bwd(config, residuals, cotangents):
+    if config.paged:
+        raise ValueError("jax_fa4.attention with a page_table is forward only (inference): "
+                         "it has no gradient")
     q, k, v, operands, out, lse = residuals
     dout, dlse = cotangents
     if isinstance(dout, SymbolicZero):  # only the LSE is used
@@ -287,6 +271,7 @@ def attention(
     softcap: float | None = None,
     sinks: jax.Array | None = None,
     page_table: jax.Array | None = None,
+    num_splits: int | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
     deterministic: bool = False,
@@ -326,8 +311,16 @@ def attention(
         b's keys are its pages in table order, cut at ``kv_lengths[b]`` (required;
         clamped to the table's capacity); page ids outside the pool are clamped into
         it. Decode (Sq = 1), multi-token decode and chunked prefill (``causal=
-        "bottom_right"``). Forward only: differentiating raises. The pages are
-        gathered into contiguous K / V (one XLA gather) for the kernels.
+        "bottom_right"``). Forward only: differentiating raises. The kernels read
+        the pages in place where the page size divides their key blocks or is a
+        multiple of them (sm_90a: 16 to 256 at head dims up to 128); other sizes
+        are gathered into contiguous K / V first (one XLA gather).
+      num_splits: splits of the key range in the forward kernel (flash-decoding):
+        where a call's tiles leave SMs idle (decode, short chunks of few
+        sequences) each tile's keys are split across CTAs and the float32 partials
+        combined. None chooses the count from the shapes, 1 never splits, n > 1
+        forces n (benchmarking). One compiled kernel serves every count; the
+        reference path ignores it.
       return_lse: also return the log-sum-exp of the scaled logits.
       implementation: None = the CuTe DSL kernel where one exists for the
         device, dtype and head dims, else the reference path (logged once);
@@ -346,11 +339,15 @@ def attention(
       ``(out, lse)`` where ``lse`` is ``[B, Hq, Sq]`` float32 (natural log) and
       differentiable.
     """
-    if page_table is not None:
-        key, value, kv_lengths = _gather_pages(query, key, value, page_table, kv_lengths,
-                                               kv_segment_ids)
-        query, key, value, sinks = _forward_only((query, key, value, sinks))
-    _check_qkv(query, key, value)
+    paged = page_table is not None
+    if paged:
+        logical, kv_lengths = _check_pages(query, key, value, page_table, kv_lengths,
+                                           kv_segment_ids)
+        dims = jax.ShapeDtypeStruct(logical, key.dtype)
+        _check_qkv(query, dims, jax.ShapeDtypeStruct(logical[:3] + value.shape[3:],
+                                                     value.dtype))
+    else:
+        _check_qkv(query, key, value)
     head_dim, head_dim_v = int(query.shape[-1]), int(value.shape[-1])
     _check_implementation(implementation, query.dtype, head_dim, head_dim_v)
     if not isinstance(deterministic, bool):
@@ -364,7 +361,7 @@ def attention(
     window = _resolve_window(window)
     unbatched = query.ndim == 3
     b = 1 if unbatched else int(query.shape[0])
-    sq, sk = int(query.shape[-3]), int(key.shape[-3])
+    sq, sk = int(query.shape[-3]), int(logical[1] if paged else key.shape[-3])
     masks = _check_masks(unbatched, b, sq, sk, q_lengths, kv_lengths, q_segment_ids,
                          kv_segment_ids)
     if q_lengths is None and kv_lengths is None and sq == sk or not (is_causal or window):
@@ -374,11 +371,14 @@ def attention(
         deterministic=deterministic, bottom_right=bottom_right, window=window,
         q_lengths=masks.q_lengths is not None, kv_lengths=masks.kv_lengths is not None,
         segments=masks.q_segment_ids is not None, softcap=_resolve_softcap(softcap),
-        sinks=_check_sinks(sinks, int(query.shape[-2])) is not None,
+        sinks=_check_sinks(sinks, int(query.shape[-2])) is not None, num_splits=num_splits,
+        paged=paged,
     )
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     operands = tuple(x for x in masks if x is not None)
+    if paged:
+        operands += (page_table,)
     if sinks is not None:
         # Per batch entry, so that vmap and the batch sharding fold and split it with
         # the batch; the broadcast's transpose sums its gradient.

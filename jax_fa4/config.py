@@ -62,6 +62,11 @@ class AttentionConfig:
         logits [B, Hq] float32, which join every row's softmax denominator. (The
         backward needs no operand for them: its P = exp(S - lse) with the lse
         that includes them.)
+      num_splits: the forward's splits of the key range (split keys, Note [Split
+        keys] in kernels/sm90_fwd.py): None to choose from the shapes, 1 for none.
+      paged: (forward only) key and value are page pools [pages, page_size, Hkv,
+        D], and the forward takes a page table [B, pages per sequence] int32 after
+        the mask arrays, before the sinks (Note [Paged KV] in kernels/sm90_fwd.py).
     """
 
     scale: float
@@ -75,12 +80,17 @@ class AttentionConfig:
     segments: bool = False
     softcap: float | None = None
     sinks: bool = False
+    num_splits: int | None = None
+    paged: bool = False
 
     def __post_init__(self):
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
             )
+        n = self.num_splits
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"num_splits must be None or an int >= 1, got {n!r}")
 
     @property
     def num_mask_operands(self) -> int:
@@ -139,6 +149,25 @@ class KernelKey:
     # fwd: query heads per KV head packed into one tile's rows (Note [Packed GQA] in
     # kernels/sm90_fwd.py); 1: none.
     pack_gqa: int = 1
+    # fwd: K and V are page pools of pages of this many keys, read in place (Note
+    # [Paged KV] in kernels/sm90_fwd.py); 0: contiguous.
+    page_size: int = 0
+    # fwd: O and LSE are float32 partials of splits of the key blocks, B x splits of
+    # them, combined after the kernel (Note [Split keys] in kernels/sm90_fwd.py). The
+    # split count is data: one kernel serves every count.
+    split_kv: bool = False
+
+
+def page_size_error(page_size: int, tile_n: int) -> str | None:
+    """Why a forward of ``tile_n``-key blocks cannot read pages of ``page_size`` keys
+    in place, or None: a page must hold whole blocks, or a block whole pages of at
+    least the 8 rows of a swizzle atom."""
+    if page_size >= tile_n and page_size % tile_n == 0:
+        return None
+    if page_size < tile_n and tile_n % page_size == 0 and page_size % 8 == 0:
+        return None
+    return (f"pages of {page_size} keys do not tile the kernel's blocks of {tile_n} keys "
+            "(a page must hold whole blocks, or a block whole pages of 8 keys or more)")
 
 
 def dtype_name(dtype) -> str:

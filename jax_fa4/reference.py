@@ -170,6 +170,16 @@ def attention_dense(
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
+def gather_pages(key_pool: jax.Array, value_pool: jax.Array, page_table: jax.Array):
+    """(key, value) ``[B, P * page_size, Hkv, D]`` of a paged cache: sequence b's keys
+    are pages ``page_table[b]`` ``[B, P]`` of the pools ``[pages, page_size, Hkv, D]``
+    in table order; page ids outside the pool are clamped into it."""
+    b, p = page_table.shape
+    return tuple(jnp.take(x, page_table, axis=0, mode="clip").reshape(b, p * x.shape[1],
+                                                                      *x.shape[2:])
+                 for x in (key_pool, value_pool))
+
+
 def _capped(s: jax.Array, softcap: float | None) -> jax.Array:
     """c * tanh(s / c) of scaled logits s (``softcap`` c; None: s)."""
     if softcap is None:

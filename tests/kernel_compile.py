@@ -201,12 +201,16 @@ def exp2s_between_waits(sass: str) -> list[int]:
 
 def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool = False,
                  shape=(2, 113, 203, 4, 1), compile_options: str | None = None,
-                 deterministic: bool = False) -> str:
+                 deterministic: bool = False, splits: int = 1, page_size: int = 0) -> str:
     """Lower a masked kernel of ``arch`` (``direction`` "fwd" or "bwd"), which takes
     the key (query) intervals after its other operands, and with ``segments`` the
     ids, as the FFI layer calls it (rules/kernels_cuda.py). ``deterministic`` (a
     backward): the deterministic kernel, which also takes the semaphores after
-    mdQaccum (aliased to a fourth output) and the key blocks' walks last."""
+    mdQaccum (aliased to a fourth output) and the key blocks' walks last.
+    ``splits`` > 1 (a forward): the split-keys kernel, whose O and LSE are float32
+    partials with B x splits batches. ``page_size`` (a forward): K and V are pools of
+    pages of that many keys (Sk of them, so one page per key of the shape), and the
+    kernel takes a page table (B, ceil(Sk / page_size)) after the intervals."""
     import cutlass
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic
@@ -223,6 +227,10 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     aliases = {}
     if direction == "fwd":
         ins, outs = fwd_structs(*shape, head_dim, dtype)
+        if splits > 1:
+            kw["split_kv"] = True
+            outs = (sds((b * splits, sq, hq, head_dim), jnp.float32),
+                    sds((b * splits, hq, sq), jnp.float32))
         # The query heads of a KV head packed into the tiles, as the plan has it (Note
         # [Packed GQA]).
         kw["pack_gqa"] = fwd_plan(arch, jnp.dtype(dtype).name, head_dim, head_dim, False,
@@ -233,10 +241,16 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
         else:
             def make():
                 return FlashFwdSm100(dtype, head_dim, head_dim, False, **kw)
+        if page_size:
+            kw["page_size"] = page_size
+            pool = sds((sk, page_size, hkv, head_dim), dtype)
+            ins = (ins[0], pool, pool)
         if make().takes_tile_counter:
             cnt = sds((1,), jnp.int32)
             ins, outs, aliases = ins + (cnt,), outs + (cnt,), {3: 2}
         ins = ins + (sds((b, sq, 2), jnp.int32),)
+        if page_size:
+            ins = ins + (sds((b, -(-sk // page_size)), jnp.int32),)
     else:
         ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
         if arch == "sm_90a":

@@ -136,17 +136,92 @@ def test_differentiating_a_paged_call_raises():
         jax.grad(f, argnums=(0, 1))(q, k_pool)
 
 
-def test_paged_decode_lowers_to_the_masked_forward_kernel(monkeypatch, kernel_calls):
-    """On sm_90a a paged decode step is one gather per pool and the masked forward
-    kernel (GQA heads packed into its tiles)."""
+@pytest.mark.parametrize("page_size,in_place", [(64, True), (16, True), (256, True),
+                                                 (48, False)])
+def test_paged_decode_lowers_to_the_masked_forward_kernel(monkeypatch, kernel_calls,
+                                                          page_size, in_place):
+    """On sm_90a a paged decode step is one masked forward kernel (GQA heads packed
+    into its tiles) that reads the pools in place (Note [Paged KV]) where the page
+    size and its 128-key blocks tile each other; other page sizes are gathered into
+    contiguous keys first."""
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
     sds = jax.ShapeDtypeStruct
+    pool = sds((64, page_size, 2, 128), jnp.bfloat16)
     text = jax.jit(lambda q, kp, vp, t, n: jax_fa4.attention(
         q, kp, vp, page_table=t, kv_lengths=n, causal="bottom_right",
         implementation="cute")).trace(
-        sds((4, 1, 8, 128), jnp.bfloat16), sds((64, 64, 2, 128), jnp.bfloat16),
-        sds((64, 64, 2, 128), jnp.bfloat16), sds((4, 16), jnp.int32),
+        sds((4, 1, 8, 128), jnp.bfloat16), pool, pool, sds((4, 16), jnp.int32),
         sds((4,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("CuteDSLRT_NvJaxCutlassCall") == 1
-    ((key, _),) = kernel_calls
+    ((key, inputs),) = kernel_calls
     assert key.kind == "fwd" and key.masked and key.pack_gqa == 4
+    assert key.page_size == (page_size if in_place else 0)
+    assert ("gather" in text) != in_place
+    if in_place:
+        assert inputs[1][0] == pool.shape and inputs[-1][0] == (4, 16)
+
+
+def test_vmap_over_sequences_shares_the_pools():
+    """vmap over queries, tables and lengths against one pool equals the unbatched
+    calls; vmap over the pools raises."""
+    lengths = np.array([5, 40], np.int32)
+    k_pool, v_pool, table, _, _ = _cache(8, np.tile(lengths, 2), 16, 3, 2)
+    q = jax.random.normal(jax.random.key(9), (2, 2, 1, 4, D), jnp.float32)
+    tables = table.reshape(2, 2, 3)
+    lens = jnp.asarray(np.tile(lengths, 2)).reshape(2, 2)
+
+    def one(q, t, n):
+        return jax_fa4.attention(q, k_pool, v_pool, page_table=t, kv_lengths=n)
+
+    got = jax.vmap(one)(q, tables, lens)
+    for i in range(2):
+        assert max_err(got[i], one(q[i], tables[i], lens[i])) < 1e-6
+    with pytest.raises(NotImplementedError, match="page pools"):
+        jax.vmap(lambda kp, q: jax_fa4.attention(q, kp, v_pool, page_table=tables[0],
+                                                 kv_lengths=lens[0]))(
+            jnp.stack([k_pool, k_pool]), q)
+
+
+# (page size, head dim, Hq, Hkv, Sq, num_splits): the kernel reads pages in place
+# where they tile its key blocks (128 keys; 80 at head dim 256).
+GPU_PAGED = [(16, 128, 32, 8, 1, None), (64, 128, 32, 8, 1, None), (64, 128, 32, 1, 1, 1),
+             (128, 128, 8, 8, 5, None), (256, 64, 16, 2, 3, 4), (32, 64, 24, 8, 1, None),
+             (16, 256, 8, 2, 1, None), (64, 256, 8, 2, 2, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,d,hq,hkv,sq,splits", GPU_PAGED,
+                         ids=lambda c: str(c))
+def test_paged_kernel_against_the_reference(page_size, d, hq, hkv, sq, splits):
+    """The kernel's paged read (shuffled tables, lengths 0, 1, page size - 1, page
+    size and odd ones, bottom-right causal) against the f32 reference of the
+    gathered keys (2x rule), outputs poisoned."""
+    from conftest import assert_close_2x
+
+    from jax_fa4.ffi import poison_outputs
+
+    rng = np.random.default_rng(page_size + d)
+    lengths = np.array([0, 1, page_size - 1, page_size, 1000, 2047], np.int32)
+    per_seq = -(-2048 // page_size)
+    b = len(lengths)
+    num_pages = b * per_seq + 5
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((num_pages, page_size, hkv, d)),
+                                  jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(rng.permutation(num_pages)[:b * per_seq].reshape(b, per_seq),
+                        jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), jnp.bfloat16)
+    kw = dict(causal="bottom_right", kv_lengths=jnp.asarray(lengths), return_lse=True)
+    fn = jax.jit(lambda q, kp, vp, t: jax_fa4.attention(
+        q, kp, vp, page_table=t, implementation="cute", num_splits=splits, **kw))
+    with poison_outputs():
+        out, lse = fn(q, k_pool, v_pool, table)
+    k, v = (x[table].reshape(b, per_seq * page_size, hkv, d) for x in (k_pool, v_pool))
+    ref = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="reference", **kw))
+    hi_out, hi_lse = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
+    lo_out, lo_lse = ref(q, k, v)
+    assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
+    lse, hi_lse, lo_lse = (np.asarray(x, np.float64) for x in (lse, hi_lse, lo_lse))
+    assert np.array_equal(np.isneginf(lse), np.isneginf(hi_lse))
+    seen = ~np.isneginf(hi_lse)
+    assert_close_2x(lse[seen], hi_lse[seen], lo_lse[seen], atol=1e-3, name="lse")
+    assert not np.asarray(out[0], np.float32).any()  # length 0: out 0

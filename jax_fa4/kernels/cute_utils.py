@@ -15,6 +15,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_fa4.config import page_size_error
 from jax_fa4.kernels.softmax import score_scales
 
 
@@ -64,11 +65,18 @@ def set_mask_flags(kernel, causal: bool, masked: bool, segments: bool) -> None:
     kernel.segments = segments
 
 
-def set_forward_extras(kernel, sinks: bool, softcap: float | None, pack_gqa: int) -> None:
+def set_forward_extras(kernel, sinks: bool, softcap: float | None, pack_gqa: int,
+                       split_kv: bool = False) -> None:
     """Store a forward kernel's ``sinks``, ``softcap`` (with ``score_scales``'
-    ``cap_in`` and ``scale_log2``) and ``pack_gqa``, after its ``softmax_scale``,
-    ``masked`` and ``tile_m``: packed GQA heads serve the masked forward with a group
-    that divides tile_m (Note [Packed GQA] in sm90_fwd.py)."""
+    ``cap_in`` and ``scale_log2``), ``pack_gqa`` and ``split_kv``, after its
+    ``softmax_scale``, ``masked`` and ``tile_m``: packed GQA heads serve the masked
+    forward with a group that divides tile_m (Note [Packed GQA] in sm90_fwd.py),
+    split keys the masked forward without sinks, which the combine adds (Note
+    [Split keys])."""
+    if split_kv and (not kernel.masked or sinks):
+        raise ValueError("split_kv serves the masked forward without sinks (the combine "
+                         "adds them)")
+    kernel.split_kv = split_kv
     kernel.sinks = sinks
     kernel.softcap = softcap
     kernel.cap_in, kernel.scale_log2 = score_scales(kernel.softmax_scale, softcap)
@@ -76,6 +84,39 @@ def set_forward_extras(kernel, sinks: bool, softcap: float | None, pack_gqa: int
     if pack_gqa > 1 and (not kernel.masked or kernel.tile_m % pack_gqa):
         raise ValueError(f"pack_gqa serves the masked forward with a group that divides "
                          f"tile_m {kernel.tile_m}, got {pack_gqa}")
+
+
+def set_page_size(kernel, page_size: int) -> None:
+    """Store a forward kernel's ``page_size`` (0: contiguous K / V) and ``page_rows``,
+    the rows of one K / V TMA box: a block of tile_n keys is loaded as whole pages or
+    a page as whole blocks (Note [Paged KV] in sm90_fwd.py), after its ``masked`` and
+    ``tile_n``."""
+    kernel.page_size = page_size
+    kernel.page_rows = kernel.tile_n
+    if page_size:
+        error = page_size_error(page_size, kernel.tile_n)
+        if error or not kernel.masked:
+            raise ValueError(error or "a paged forward is masked (it takes key lengths)")
+        kernel.page_rows = min(page_size, kernel.tile_n)
+
+
+def kv_box_layout(stage_layout, rows: int, cols: int):
+    """The SMEM layout of one (rows, cols) TMA box of a (tile_n, cols, stages) K or V
+    layout: its stage's first ``rows`` rows (all of them when rows is tile_n)."""
+    one = cute.select(stage_layout, mode=[0, 1])
+    if const_expr(rows == cute.size(one, mode=[0])):
+        return one
+    return cute.composition(one, (cute.make_layout(rows), cute.make_layout(cols)))
+
+
+def check_forward_dtypes(kernel, mQ, mK, mV, mO, mLSE) -> None:
+    """At trace time: Q, K, V in the kernel's dtype, O too (float32 partials with
+    split keys), LSE float32."""
+    o_type = Float32 if const_expr(kernel.split_kv) else kernel.dtype
+    for t, want in ((mQ, kernel.dtype), (mK, kernel.dtype), (mV, kernel.dtype), (mO, o_type),
+                    (mLSE, Float32)):
+        if const_expr(t.element_type != want):
+            raise TypeError(f"expected {want}, got {t.element_type}")
 
 
 def _pop_int32(rest: list, what: str):
@@ -311,6 +352,8 @@ class FwdCall:
     segments = False
     sinks = False
     pack_gqa = 1
+    split_kv = False
+    page_size = 0
 
     def q_rows(self, mQ: cute.Tensor):
         """Rows of the (permuted) query view: Sq, or Sq x group packed (Note [Packed
@@ -334,13 +377,17 @@ class FwdCall:
         if const_expr(self.takes_tile_counter):
             mTileCounter = _pop_int32(rest, "the tile counter")
         mRanges, mQSeg, mKSeg = _pop_mask_operands(self, rest)
+        table = {}
+        if const_expr(self.page_size):
+            table["mPageTable"] = _pop_int32(rest, "the page table")
         sinks = ()
         if const_expr(self.sinks):
             sinks = (rest.pop(0),)
             if const_expr(sinks[0].element_type != Float32):
                 raise TypeError("the sink logits must be float32")
         mO, mLSE = rest
-        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg, *sinks)
+        self.launch(stream, mQ, mK, mV, mO, mLSE, mTileCounter, mRanges, mQSeg, mKSeg, *sinks,
+                    **table)
 
 
 class BwdMainCall:

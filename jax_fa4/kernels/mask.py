@@ -269,12 +269,39 @@ class BlockRange:
         self.end = uniform(end)
         self.full_first = uniform((lo_max + block - 1) // block)
         self.full_end = uniform(hi_min // block)
+        self.block = block
+
+    def split(self, split: Int32, num_splits: Int32) -> tuple:
+        """Keep split ``split`` of ``num_splits`` of the blocks (split keys, Note [Split
+        keys] in sm90_fwd.py); returns the keys [lo, hi) the split may see, for
+        ``RangeMask(keys=...)``. An empty split still visits one block, with no key
+        visible, so that its rows get out 0 and lse -inf through the ordinary path."""
+        first, end, keys = split_blocks(self.first, self.end, split, num_splits, self.block,
+                                        cutlass.select_, cutlass.min)
+        uniform = cute.arch.make_warp_uniform
+        self.first, self.end = uniform(first), uniform(end)
+        return keys
 
     @staticmethod
     def masked_block(n: Int32, full_first: Int32, full_end: Int32):
         """Whether block n needs the element mask (from the fields of a BlockRange,
         read before a loop: a run-time loop carries no Python objects)."""
         return (n < full_first) | (n >= full_end)
+
+
+def split_blocks(first, end, split, num_splits, block,
+                 select=lambda c, a, b: a if c else b, minimum=min):
+    """(first, end, (key_lo, key_hi)) of split ``split`` of a tile's blocks [first,
+    end): ceil(n / num_splits) consecutive blocks each, the last splits shorter or
+    empty. An empty split keeps one block, [first, first + 1), with the empty key
+    range (0, 0), which masks all of it. For plain ints (the host mirror in tests)
+    and DSL integers (``cutlass.select_`` / ``cutlass.min``) alike."""
+    per = (end - first + num_splits - 1) // num_splits
+    lo = first + split * per
+    hi = minimum(end, lo + per)
+    empty = hi <= lo
+    keys = (select(empty, 0, lo * block), select(empty, 0, hi * block))
+    return select(empty, first, lo), select(empty, first + 1, hi), keys
 
 
 def edge_walk(first, end, full_first, full_end, minimum=min, maximum=max):
@@ -296,12 +323,14 @@ class RangeMask:
     loop: the consumers have no registers to spare.
 
     mRanges: (B, Sq, 2) int32; mQSeg, mKSeg: (B, Sq) / (B, Sk) int32 segment ids, or
-    None where the kernel takes none.
+    None where the kernel takes none; keys: (lo, hi), keys outside which every row
+    is masked too (a split's, ``BlockRange.split``), or None.
     """
 
     def __init__(self, tile_m: int, tile_n: int, thr_mma, thr_mma_t0, mRanges: cute.Tensor,
                  mQSeg, mKSeg, m_block: Int32, batch: Int32, seqlen_q: Int32,
-                 seqlen_k: Int32):
+                 seqlen_k: Int32, keys: tuple | None = None):
+        self.keys = keys
         self.tile_m = tile_m
         self.tile_n = tile_n
         c_tile = cute.make_identity_tensor((tile_m, tile_n))
@@ -340,6 +369,10 @@ class RangeMask:
             hi_raw = self.mRanges[self.batch, row, 1]
             hi, _ = decode_hi(hi_raw)
             lo = self.mRanges[self.batch, row, 0]
+            if cutlass.const_expr(self.keys is not None):
+                # Split keys: only this split's keys (none in an empty split).
+                lo = cutlass.max(lo, self.keys[0])
+                hi = cutlass.min(hi, self.keys[1])
             width = cutlass.max(hi - lo, 0)
             lo = lo - col0
             any_cmp = any_cmp | cutlass.select_(hi_raw < 0, Int32(1), Int32(0))

@@ -74,6 +74,7 @@ from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
     as_cutlass_dtype,
+    check_forward_dtypes,
     packed_gqa_views,
     permute,
     set_forward_extras,
@@ -233,6 +234,8 @@ class FlashFwdSm100(FwdCall):
         kernels] in softmax.py); None for none.
     pack_gqa: with ``masked``, the query heads per KV head that share one tile
         (Note [Packed GQA] in sm90_fwd.py), dividing tile_m; 1: none.
+    split_kv: with ``masked`` and no sinks, O and LSE are float32 partials, one per
+        split of each tile's key blocks (Note [Split keys] in sm90_fwd.py).
     """
 
     def __init__(
@@ -248,6 +251,7 @@ class FlashFwdSm100(FwdCall):
         sinks: bool = False,
         softcap: float | None = None,
         pack_gqa: int = 1,
+        split_kv: bool = False,
     ):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
@@ -264,7 +268,7 @@ class FlashFwdSm100(FwdCall):
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         if (self.tile_m, self.tile_n) != (128, 128):
             raise ValueError("sm100 forward is written for 128 x 128 tiles")
-        set_forward_extras(self, sinks, softcap, pack_gqa)
+        set_forward_extras(self, sinks, softcap, pack_gqa, split_kv)
         if 2 * self.tile_n + 2 * self.head_dim_v > _TMEM_COLS:
             raise ValueError("S0, S1, O0, O1 do not fit in tensor memory")
         if self.tile_n % 32 or t.sw_exp2_per_32 % 2 or not 0 <= t.sw_exp2_per_32 <= 32:
@@ -287,11 +291,7 @@ class FlashFwdSm100(FwdCall):
         """The host side of ``FwdCall.__call__``, with the tensors as it takes them (no
         tile counter; with ``masked`` the key intervals, with ``segments`` the ids,
         with ``sinks`` the sink logits (B, Hq) f32)."""
-        for t in (mQ, mK, mV, mO):
-            if cutlass.const_expr(t.element_type != self.dtype):
-                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
-        if cutlass.const_expr(mLSE.element_type != Float32):
-            raise TypeError("LSE must be float32")
+        check_forward_dtypes(self, mQ, mK, mV, mO, mLSE)
         # FA4 order: Q, K, O (seqlen, head_dim, heads, batch); V as the MN-major
         # B operand of P V: (head_dim_v, seqlen_k, heads, batch); LSE (seqlen, heads, batch).
         mQ, mK, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
@@ -350,9 +350,12 @@ class FlashFwdSm100(FwdCall):
             g2s, mVt, cute.select(sV_layout, mode=[0, 1, 2]), pv_tiler, tiled_mma_pv,
             cluster_vmnk.shape,
         )  # fmt: skip
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (tm, dv)
-        )
+        # Split keys: float32 partials stored by the correction warps.
+        tma_atom_O, tma_O = None, mO
+        if cutlass.const_expr(not self.split_kv):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+                (tm, dv))
         self.tx_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.tx_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
 
@@ -371,7 +374,8 @@ class FlashFwdSm100(FwdCall):
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
         seqlen_q = self.q_rows(mQ)
-        grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        # Batches as the LSE has them: with split keys, batch x split.
+        grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(mLSE.shape[2]))
         self.kernel(
             tma_Q,
             tma_K,
@@ -425,7 +429,8 @@ class FlashFwdSm100(FwdCall):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == _LOAD_WARP:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -479,7 +484,10 @@ class FlashFwdSm100(FwdCall):
 
         # Block coordinates. Causal CTAs lower in the matrix have more KV blocks:
         # launch them first so the longest CTAs do not start last.
-        bidx, head, batch = cute.arch.block_idx()
+        bidx, head, out_batch = cute.arch.block_idx()
+        batch = out_batch
+        if cutlass.const_expr(self.split_kv):
+            batch = out_batch % mRanges.shape[0]
         m_block = bidx
         if cutlass.const_expr(self.causal or self.masked):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
@@ -497,6 +505,10 @@ class FlashFwdSm100(FwdCall):
             # Every warp reduces the CTA's 256 rows' intervals itself (BlockRange).
             blocks = BlockRange(mRanges, 2 * self.tile_m, self.tile_n, m_block, batch,
                                 seqlen_q, at_least_one=True)
+            keys = None
+            if cutlass.const_expr(self.split_kv):
+                b = mRanges.shape[0]
+                keys = blocks.split(out_batch // b, mLSE.shape[2] // b)
             n_end = blocks.end
             n_blocks = blocks.end - blocks.first
             hi_edge, lo_edge = edge_walk(blocks.first, n_end, blocks.full_first,
@@ -504,7 +516,7 @@ class FlashFwdSm100(FwdCall):
             # The last block is always masked (it carries the sequence end).
             n_masked = n_end - hi_edge
             n_full = hi_edge - lo_edge
-            masks = (mRanges, mQSeg, mKSeg, batch, seqlen_q, seqlen_k)
+            masks = (mRanges, mQSeg, mKSeg, batch, seqlen_q, seqlen_k, keys)
 
         cute.arch.sync_threads()  # barriers initialised and visible
 
@@ -518,8 +530,8 @@ class FlashFwdSm100(FwdCall):
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_decrease(self.tiles.correction_regs)
             self.correction(
-                tmem, tmem_free_bar, tiled_mma_pv, row_scale, row_sum, row_max, sO, mLSE,
-                mSinks, mbar, m_block, head, batch, seqlen_q, n_blocks,
+                tmem, tmem_free_bar, tiled_mma_pv, row_scale, row_sum, row_max, sO, mO, mLSE,
+                mSinks, mbar, m_block, head, out_batch, seqlen_q, n_blocks,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_decrease(self.tiles.other_regs)
@@ -529,7 +541,9 @@ class FlashFwdSm100(FwdCall):
                     pipe_q, pipe_kv, mbar, n_blocks,
                 )  # fmt: skip
             elif warp_idx == _EPILOGUE_WARP:
-                self.epilogue(mO, sO, tma_atom_O, mbar, m_block, head, batch)
+                # Split keys: the correction warps store the float32 partials.
+                if cutlass.const_expr(not self.split_kv):
+                    self.epilogue(mO, sO, tma_atom_O, mbar, m_block, head, batch)
             elif warp_idx == _LOAD_WARP:
                 self.load(
                     mQ, mK, mVt, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
@@ -872,13 +886,16 @@ class FlashFwdSm100(FwdCall):
         # the sequence end sees nothing.
         lo = width = seg = None
         if cutlass.const_expr(masks is not None):
-            mRanges, mQSeg, _, batch, seqlen_q, _ = masks
+            mRanges, mQSeg, _, batch, seqlen_q, _, keys = masks
             at = cutlass.min(row_global, seqlen_q - 1)
             hi_raw = mRanges[batch, at, 1]
             lo = mRanges[batch, at, 0]
-            width = cutlass.select_(row_global < seqlen_q,
-                                    cutlass.max(cutlass.select_(hi_raw < 0, ~hi_raw, hi_raw)
-                                                - lo, 0), Int32(0))
+            hi = cutlass.select_(hi_raw < 0, ~hi_raw, hi_raw)
+            if cutlass.const_expr(keys is not None):
+                # Split keys: only this split's keys (none in an empty split).
+                lo = cutlass.max(lo, keys[0])
+                hi = cutlass.min(hi, keys[1])
+            width = cutlass.select_(row_global < seqlen_q, cutlass.max(hi - lo, 0), Int32(0))
             if cutlass.const_expr(mQSeg is not None):
                 # The row's id where its document is not contiguous, else -1 - 2^31
                 # (no compare): ids are compared only for such rows.
@@ -1030,12 +1047,13 @@ class FlashFwdSm100(FwdCall):
         row_sum: cute.Tensor,  # (tile_m, 2) f32 SMEM
         row_max: cute.Tensor,  # (tile_m, 2) f32 SMEM
         sO: cute.Tensor,  # (tile_m, Dv, 2) SMEM, aliases sQ
-        mLSE: cute.Tensor,  # (Sq, Hq, B) f32
+        mO: cute.Tensor,  # split keys: (Sq, Dv, Hq, B x splits) f32; else unused
+        mLSE: cute.Tensor,  # (Sq, Hq, B) f32 (split keys: B x splits)
         mSinks: cute.Tensor | None,  # (B, Hq) f32 (sinks only)
         mbar: cute.Pointer,
         m_block: Int32,
         head: Int32,
-        batch: Int32,
+        batch: Int32,  # split keys: split x B + batch
         seqlen_q: Int32,
         n_blocks: Int32,
     ):
@@ -1103,7 +1121,8 @@ class FlashFwdSm100(FwdCall):
                 _tcgen05_fence_before_sync()
                 cute.arch.mbarrier_arrive(mbar + _P_READY + tile)
 
-        # Final: O / row_sum in 16 bits into SMEM, LSE straight to global memory.
+        # Final: O / row_sum in 16 bits into SMEM (split keys: in float32 straight to
+        # global memory, Note [Split keys] in sm90_fwd.py), LSE to global memory.
         rOh = cute.make_rmem_tensor(tOcrd.shape, self.dtype)
         for tile in cutlass.range_constexpr(2):
             cute.arch.mbarrier_wait(mbar + _FINAL + tile, 0)
@@ -1123,21 +1142,26 @@ class FlashFwdSm100(FwdCall):
                 empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
                 inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
             sO_i = sO[None, None, tile]
+            row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
             for k in cutlass.range_constexpr(n_chunks):
                 cute.copy(thr_ld, self._o_chunk(tOsrc, tile, k), rO)
                 cute.arch.fence_view_async_tmem_load()
                 for j in cutlass.range_constexpr(0, cute.size(rO), 2):
                     rO[j], rO[j + 1] = cute.arch.mul_packed_f32x2((rO[j], rO[j + 1]), (inv, inv))
-                rOh.store(rO.load().to(self.dtype))
-                # 16-byte vectors: 8 consecutive columns of a row stay contiguous
-                # under the 128-byte swizzle of sO.
-                sO_row = sO_i[row, None]
-                for g in cutlass.range_constexpr(chunk // 8):
-                    cute.autovec_copy(
-                        cute.make_tensor(rOh.iterator + 8 * g, cute.make_layout(8)),
-                        cute.local_tile(sO_row, (8,), (k * (chunk // 8) + g,)),
-                    )
-            row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
+                if cutlass.const_expr(self.split_kv):
+                    if row_global < seqlen_q:
+                        for j in cutlass.range_constexpr(cute.size(rO)):
+                            mO[row_global, k * chunk + tOcrd[j][1], head, batch] = rO[j]
+                else:
+                    rOh.store(rO.load().to(self.dtype))
+                    # 16-byte vectors: 8 consecutive columns of a row stay contiguous
+                    # under the 128-byte swizzle of sO.
+                    sO_row = sO_i[row, None]
+                    for g in cutlass.range_constexpr(chunk // 8):
+                        cute.autovec_copy(
+                            cute.make_tensor(rOh.iterator + 8 * g, cute.make_layout(8)),
+                            cute.local_tile(sO_row, (8,), (k * (chunk // 8) + g,)),
+                        )
             if cutlass.const_expr(not self.sinks):
                 m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
                 log2_sum = cute.math.log2(Float32(1.0) if empty else total, fastmath=True)

@@ -42,13 +42,16 @@ from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
     as_cutlass_dtype,
+    check_forward_dtypes,
     consumer_release_elected,
     convert_to_operand_a,
+    kv_box_layout,
     packed_gqa_views,
     permute,
     pin_fragment,
     set_forward_extras,
     set_mask_flags,
+    set_page_size,
     sm90_smem_layout,
     stmatrix_acc,
     tma_store_tile,
@@ -138,6 +141,23 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # group as a stride-0 mode; the tile walk, ``BlockRange`` and ``RangeMask`` then read
 # packed rows as they read positions, and TMA moves a tile as a (g, tile_m / g)
 # box. The sinks are per row (each row's own query head).
+
+# Note [Paged KV]
+# ~~~~~~~~~~~~~~
+# A paged cache's K and V are pools (pages, page_size, Hkv, D): sequence b's key j
+# is row j % page_size of page table[b, j // page_size]. Viewed as FA4 views K, the
+# pool is (page_size, D, Hkv, pages), pages in the place of the batch, so the TMA
+# descriptor is the contiguous kernel's with the page as its last coordinate. A
+# block of tile_n keys is loaded as tile_n / r boxes of r = min(page_size, tile_n)
+# rows, each from its own page, into consecutive rows of the stage: the box's SMEM
+# layout is the stage's first r rows (``kv_box_layout``), which is every r-row slice
+# of it, since r is a multiple of the swizzle atom's 8 rows. The producer reads
+# the block's page ids before it waits for the stage, so their latency hides behind
+# the consumers' work. Everything else (intervals, lengths, split keys) sees
+# logical key positions, as with contiguous keys. flash-attn-4 loads pages smaller
+# than a block with cp.async (its PagedKVManager) and uses TMA where a page holds
+# whole blocks; the per-page boxes here keep TMA for every page size that divides
+# tile_n or that tile_n divides.
 
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
@@ -359,13 +379,20 @@ class FlashFwdSm90(FwdCall):
     pack_gqa: with ``masked``, the number of query heads per KV head (the call's
         Hq / Hkv) that share one tile (Note [Packed GQA]), dividing tile_m; 1: a
         tile is one query head's.
+    split_kv: with ``masked`` (and no sinks: the combine adds them), O and LSE are
+        float32 partials (B x splits, ...), one per split of each tile's key blocks
+        (Note [Split keys]); the split count is the outputs' batch extent over B.
+    page_size: with ``masked``, K and V are page pools (pages, page_size, Hkv, D)
+        and the call takes a page table (B, pages per sequence) int32 after the mask
+        operands (Note [Paged KV]); 0: contiguous K and V.
     """
 
     def __init__(self, dtype: Any, head_dim: int, head_dim_v: int | None = None,
                  causal: bool = False, softmax_scale: float | None = None,
                  tiles: Sm90FwdTiles | None = None, masked: bool = False,
                  segments: bool = False, sinks: bool = False,
-                 softcap: float | None = None, pack_gqa: int = 1):
+                 softcap: float | None = None, pack_gqa: int = 1, split_kv: bool = False,
+                 page_size: int = 0):
         self.dtype = as_cutlass_dtype(dtype, "sm90 forward")
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -381,7 +408,8 @@ class FlashFwdSm90(FwdCall):
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal, masked)
         t = self.tiles
         self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
-        set_forward_extras(self, sinks, softcap, pack_gqa)
+        set_forward_extras(self, sinks, softcap, pack_gqa, split_kv)
+        set_page_size(self, page_size)
         if self.tile_m not in (128, 192):
             # Ping-pong takes turns between two or more consumer warpgroups.
             raise ValueError(f"tile_m must be 128 or 192 (64 rows per consumer "
@@ -414,18 +442,16 @@ class FlashFwdSm90(FwdCall):
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter: cute.Tensor | None = None,
                mRanges: cute.Tensor | None = None, mQSeg: cute.Tensor | None = None,
-               mKSeg: cute.Tensor | None = None, mSinks: cute.Tensor | None = None):
+               mKSeg: cute.Tensor | None = None, mSinks: cute.Tensor | None = None,
+               mPageTable: cute.Tensor | None = None):
         """The host side of ``FwdCall.__call__``: the tensors as it takes them, the
         dynamic scheduler's (1,) int32 tile counter (zero at launch) or None, and
-        with ``masked`` the key intervals (and with ``segments`` the ids)."""
+        with ``masked`` the key intervals (and with ``segments`` the ids), with
+        ``page_size`` the page table."""
         if cutlass.const_expr(self.dynamic and mTileCounter is None):
             raise TypeError("the causal persistent forward takes a tile counter: call "
                             "FlashFwdSm90Dynamic (see make_fwd_sm90)")
-        for t in (mQ, mK, mV, mO):
-            if cutlass.const_expr(t.element_type != self.dtype):
-                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
-        if cutlass.const_expr(mLSE.element_type != Float32):
-            raise TypeError("LSE must be float32")
+        check_forward_dtypes(self, mQ, mK, mV, mO, mLSE)
         # FA4 order: (seqlen, head_dim, heads, batch); LSE (seqlen, heads, batch).
         mQ, mK, mV, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute(mLSE, [2, 1, 0])
@@ -457,15 +483,20 @@ class FlashFwdSm90(FwdCall):
         g2s_kv = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1
                   else g2s)
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (tm, d))
+        # Paged: one TMA box per page piece of a block (Note [Paged KV]).
+        box_n = self.page_rows
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s_kv, mK, cute.select(sK_layout, mode=[0, 1]), (tn, d), self.cluster_m
+            g2s_kv, mK, kv_box_layout(sK_layout, box_n, d), (box_n, d), self.cluster_m
         )
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s_kv, mV, cute.select(sV_layout, mode=[0, 1]), (tn, dv), self.cluster_m
+            g2s_kv, mV, kv_box_layout(sV_layout, box_n, dv), (box_n, dv), self.cluster_m
         )
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (tm, dv)
-        )
+        # Split keys: float32 partials stored from the registers (``store_split``).
+        tma_atom_O, tma_O = None, mO
+        if cutlass.const_expr(not self.split_kv):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (tm, dv)
+            )
         self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -494,9 +525,10 @@ class FlashFwdSm90(FwdCall):
                              f"SMEM, more than the {_SM90_MAX_SMEM_BYTES} a CTA may use")
         seqlen_q = self.q_rows(mQ)
         c = self.cluster_m
-        # Clusters: the query blocks of a head rounded up to whole clusters.
+        # Clusters: the query blocks of a head rounded up to whole clusters; batches
+        # (with split keys batch x split) as the LSE has them.
         grid = (cute.ceil_div(seqlen_q, tm * c) * c, cute.size(mQ.shape[2]),
-                cute.size(mQ.shape[3]))
+                cute.size(mLSE.shape[2]))
         if cutlass.const_expr(self.persistent):
             total = grid[0] * grid[1] * grid[2] // c
             grid = (cutlass.min(total, self.num_sms // c) * c, 1, 1)
@@ -514,6 +546,7 @@ class FlashFwdSm90(FwdCall):
             mQSeg,
             mKSeg,
             mSinks,
+            mPageTable,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -542,6 +575,7 @@ class FlashFwdSm90(FwdCall):
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
         mSinks: cute.Tensor | None,  # (B, Hq) f32 sink logits (sinks only)
+        mPageTable: cute.Tensor | None,  # (B, pages per sequence) int32 (paged only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -557,7 +591,8 @@ class FlashFwdSm90(FwdCall):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -619,16 +654,22 @@ class FlashFwdSm90(FwdCall):
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
+        # Tiles run over (query block, head, batch x split): the LSE's batch extent
+        # (Note [Split keys]).
+        num_b = mLSE.shape[2]
         # Non-persistent: this CTA's one tile (persistent CTAs leave it unused).
-        m_block, head, batch = self.block_coord(mQ, mK)
+        m_block, head, out_batch = self.block_coord(mQ, mK, num_b)
+        batch = out_batch
         seqlen_q = self.q_rows(mQ)
         seqlen_k = mK.shape[0]
+        if cutlass.const_expr(self.page_size):
+            seqlen_k = mPageTable.shape[1] * self.page_size
         group = mQ.shape[2] // mK.shape[2]
         head_kv = head // group
         n_block_max = self.n_block_max(m_block, seqlen_k)
-        blocks = None
+        blocks = keys = None
         if cutlass.const_expr(self.masked and not self.persistent):
-            blocks = self.kv_blocks(mRanges, m_block, batch, seqlen_q)
+            batch, blocks, keys = self.kv_blocks(mRanges, m_block, out_batch, seqlen_q, num_b)
             n_block_max = blocks.end
         # Causal with K/V multicast: the cluster loads the key blocks of its last
         # query block; the others skip the ones past their own (Note [K/V multicast]).
@@ -651,14 +692,15 @@ class FlashFwdSm90(FwdCall):
             cute.arch.setmaxregister_decrease(self.tiles.producer_regs)
             # What every tile's ``load`` takes before the pipeline states.
             load_ops = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q,
-                        pipe_k, pipe_v)
+                        pipe_k, pipe_v, mPageTable)
             if warp_idx == 0:
                 if cutlass.const_expr(self.dynamic):
                     self.load_dynamic(
                         load_ops, q_prod, kv_prod, pipe_sched,
-                        storage.sched.get_tensor(cute.make_layout(2)), mTileCounter, mRanges)
+                        storage.sched.get_tensor(cute.make_layout(2)), mTileCounter, mRanges,
+                        num_b)
                 elif cutlass.const_expr(self.persistent):
-                    num_m, total = self.tile_count(mQ)
+                    num_m, total = self.tile_count(mQ, num_b)
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
                                            unroll=1):
                         t_m, t_head, t_batch = self.tile_coord(t, num_m, mQ.shape[2])
@@ -682,21 +724,23 @@ class FlashFwdSm90(FwdCall):
                     cute.arch.barrier_arrive(
                         barrier_id=_BAR_SCHED_WG1, number_of_threads=2 * _THREADS_PER_WG
                     )
-                num_m, total = self.tile_count(mQ)
+                num_m, total = self.tile_count(mQ, num_b)
                 if cutlass.const_expr(self.dynamic):
                     sched = storage.sched.get_tensor(cute.make_layout(2))
                     s_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
                     t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                     while t < total:
-                        t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK)
-                        t_blocks = None
+                        t_m, t_head, t_out = self.lpt_coord(t, mQ, mK, num_b)
+                        t_batch, t_blocks, t_keys = t_out, None, None
                         t_max = self.n_block_max(t_m, seqlen_k)
                         if cutlass.const_expr(self.masked):
-                            t_blocks = self.kv_blocks(mRanges, t_m, t_batch, seqlen_q)
+                            t_batch, t_blocks, t_keys = self.kv_blocks(mRanges, t_m, t_out,
+                                                                       seqlen_q, num_b)
                             t_max = t_blocks.end
                         q_cons, kv_cons = self.consume(
                             *consume_ops, q_cons, kv_cons, t_m, t_head, t_batch, seqlen_q,
-                            seqlen_k, t_max, first_turn=False, blocks=t_blocks, masks=masks)
+                            seqlen_k, t_max, first_turn=False, blocks=t_blocks, masks=masks,
+                            out_batch=t_out, keys=t_keys)
                         t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                 else:
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
@@ -712,14 +756,14 @@ class FlashFwdSm90(FwdCall):
             else:
                 self.consume(*consume_ops, q_cons, kv_cons, m_block, head, batch, seqlen_q,
                              seqlen_k, n_block_max, first_turn=True, n_skip=n_skip,
-                             blocks=blocks, masks=masks)
+                             blocks=blocks, masks=masks, out_batch=out_batch, keys=keys)
         if cutlass.const_expr(c > 1):
             # No CTA leaves while its peer may still multicast into it or release
             # its stages (Note [K/V multicast]).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
-    def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor):
+    def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor, num_b):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the
         matrix have more KV blocks: the LPT order launches them first, so that the
         longest CTAs do not start last."""
@@ -730,7 +774,7 @@ class FlashFwdSm90(FwdCall):
         # one head), the CTA taking block c unit + rank.
         unit = bidx if cutlass.const_expr(c == 1) else bidx // c
         if cutlass.const_expr(self.lpt):
-            m_block, head, batch = self.lpt_coord(unit, mQ, mK)
+            m_block, head, batch = self.lpt_coord(unit, mQ, mK, num_b)
             m_block = self.cta_block(m_block)
         return m_block, head, batch
 
@@ -741,12 +785,13 @@ class FlashFwdSm90(FwdCall):
             self.tile_n * (self.head_dim + self.head_dim_v) * (self.dtype.width // 8),
             lambda c, a, b: cutlass.select_(c, Int32(a), b), Int32(1))
 
-    def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor):
-        """(m_block, head, batch) of unit t in the LPT order (``lpt_tile``)."""
+    def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor, num_b):
+        """(m_block, head, batch) of unit t in the LPT order (``lpt_tile``), over
+        num_b batches (with split keys: batch x split, Note [Split keys])."""
         num_heads = mQ.shape[2]
         size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
         num_m = cute.ceil_div(self.q_rows(mQ), self.tile_m * self.cluster_m)
-        return lpt_tile(t, num_m, num_heads, num_heads * mQ.shape[3], size, cutlass.min)
+        return lpt_tile(t, num_m, num_heads, num_heads * num_b, size, cutlass.min)
 
     @cute.jit
     def next_tile(self, pipe_sched, sched: cute.Tensor, state: pipeline.PipelineState):
@@ -768,6 +813,7 @@ class FlashFwdSm90(FwdCall):
         sched: cute.Tensor,  # (2,) int32 in SMEM
         mTileCounter: cute.Tensor,  # (1,) int32, zero at launch
         mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
+        num_b: Int32,  # the tiles' batch extent (``tile_count``)
     ):
         """Load warp of the dynamic scheduler: the CTA's first tile is its block
         index; each next one is grid + the global counter's old value (one atomic
@@ -775,7 +821,7 @@ class FlashFwdSm90(FwdCall):
         behind them). Every index, and a final one past the end, goes to the
         consumers through a 2-slot SMEM ring."""
         mQ, mK = load_ops[0], load_ops[1]
-        _, total = self.tile_count(mQ)
+        _, total = self.tile_count(mQ, num_b)
         group = mQ.shape[2] // mK.shape[2]
         seqlen_k = mK.shape[0]
         grid = cute.arch.grid_dim()[0]
@@ -790,11 +836,12 @@ class FlashFwdSm90(FwdCall):
             claimed = Int32(0)
             if lane == 0:
                 claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
-            t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK)
+            t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK, num_b)
             t_blocks = None
             t_max = self.n_block_max(t_m, seqlen_k)
             if cutlass.const_expr(self.masked):
-                t_blocks = self.kv_blocks(mRanges, t_m, t_batch, self.q_rows(mQ))
+                t_batch, t_blocks, _ = self.kv_blocks(mRanges, t_m, t_batch, self.q_rows(mQ),
+                                                      num_b)
                 t_max = t_blocks.end
             q_state, state = self.load(*load_ops, q_state, state, t_m, t_head, t_head // group,
                                        t_batch, t_max, t_blocks)
@@ -803,12 +850,13 @@ class FlashFwdSm90(FwdCall):
         sched[s_prod.index] = t
         pipe_sched.producer_commit(s_prod)
 
-    def tile_count(self, mQ):
+    def tile_count(self, mQ, num_b):
         """(units per head, units of the whole problem) of the persistent walk; mQ
-        is (Sq, D, Hq, B). A unit is a query block, or with K/V multicast the
-        cluster_m adjacent query blocks of one cluster (``cta_block``)."""
+        is (Sq, D, Hq, B), num_b the tiles' batch extent (B, or B x splits). A unit
+        is a query block, or with K/V multicast the cluster_m adjacent query blocks
+        of one cluster (``cta_block``)."""
         num_m = cute.ceil_div(self.q_rows(mQ), self.tile_m * self.cluster_m)
-        return num_m, num_m * mQ.shape[2] * mQ.shape[3]
+        return num_m, num_m * mQ.shape[2] * num_b
 
     def first_unit(self):
         """The persistent walk's first unit for this CTA (its cluster's index)."""
@@ -837,12 +885,21 @@ class FlashFwdSm90(FwdCall):
         hb = t // num_m
         return t - hb * num_m, hb % num_heads, hb // num_heads
 
-    def kv_blocks(self, mRanges: cute.Tensor, m_block, batch, seqlen_q) -> BlockRange:
-        """The key blocks query block m_block visits (masked): every warp that needs
-        them reduces the tile's intervals itself, so the roles agree without
-        talking."""
-        return BlockRange(mRanges, self.tile_m, self.tile_n, m_block, batch, seqlen_q,
-                          at_least_one=True)
+    def kv_blocks(self, mRanges: cute.Tensor, m_block, tile_batch, seqlen_q, num_b):
+        """(batch, blocks, keys) of a masked tile: its batch, the key blocks query
+        block m_block visits and, with split keys, the keys of the tile's split
+        (``BlockRange.split``; tile_batch is split x B + batch of num_b = B x
+        splits), else None. Every warp that needs them reduces the tile's intervals
+        itself, so the roles agree without talking."""
+        batch, keys = tile_batch, None
+        if cutlass.const_expr(self.split_kv):
+            b = mRanges.shape[0]
+            batch = tile_batch % b
+        blocks = BlockRange(mRanges, self.tile_m, self.tile_n, m_block, batch, seqlen_q,
+                            at_least_one=True)
+        if cutlass.const_expr(self.split_kv):
+            keys = blocks.split(tile_batch // b, num_b // b)
+        return batch, blocks, keys
 
     def n_block_max(self, m_block, seqlen_k):
         """KV blocks this query block sees (causal: up to its last row)."""
@@ -866,6 +923,7 @@ class FlashFwdSm90(FwdCall):
         pipe_q: pipeline.PipelineTmaAsync,
         pipe_k: pipeline.PipelineTmaAsync,
         pipe_v: pipeline.PipelineTmaAsync,
+        mPageTable: cute.Tensor | None,  # (B, pages per sequence) int32 (paged only)
         q_state: pipeline.PipelineState,
         state: pipeline.PipelineState,
         m_block: Int32,
@@ -886,20 +944,29 @@ class FlashFwdSm90(FwdCall):
         gQ = cute.local_tile(
             mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0)
         )
-        gK = cute.local_tile(
-            mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
-        )
-        gV = cute.local_tile(
-            mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0)
-        )
         tQsQ, tQgQ = tma_tile_partition(tma_atom_Q, sQ, gQ)
         mcast = {}
-        if cutlass.const_expr(self.cluster_m == 1):
+        if cutlass.const_expr(self.page_size > 0):
+            # Paged: each block's pages are looked up as it is loaded (``PagedKV``).
+            tKgK = PagedKV(mK, mPageTable, sK, tma_atom_K, self.page_size, self.tile_n,
+                           head_kv, batch)
+            tVgV = PagedKV(mV, mPageTable, sV, tma_atom_V, self.page_size, self.tile_n,
+                           head_kv, batch)
+            tKsK = tVsV = None
+        elif cutlass.const_expr(self.cluster_m == 1):
+            gK = cute.local_tile(
+                mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(
+                mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
             tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, gK)
             tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, gV)
         else:
             # This CTA's rows of each K / V block, multicast to the whole cluster
             # (Note [K/V multicast]).
+            gK = cute.local_tile(
+                mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(
+                mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (None, 0))
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             ranks = cute.make_layout(self.cluster_m)
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, rank, ranks,
@@ -929,10 +996,14 @@ class FlashFwdSm90(FwdCall):
     @staticmethod
     def _load_kv(pipe, atom, tXgX, tXsX, n_block, state, mcast: dict):
         """K or V block n_block into the stage of ``state``, once the consumers have
-        freed it (mcast: the multicast mask with K/V multicast, else empty)."""
-        pipe.producer_acquire(state)
-        cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
+        freed it (mcast: the multicast mask with K/V multicast, else empty; tXgX a
+        ``PagedKV`` where the keys are paged)."""
+        if cutlass.const_expr(isinstance(tXgX, PagedKV)):
+            tXgX.load(pipe, state, n_block)
+        else:
+            pipe.producer_acquire(state)
+            cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
 
     # -------------------------------------------------------------- consumer
     def _sched_sync(self):
@@ -988,13 +1059,18 @@ class FlashFwdSm90(FwdCall):
         n_skip=None,
         blocks: BlockRange | None = None,
         masks: tuple = (None, None, None),
+        out_batch=None,
+        keys: tuple | None = None,
     ):
         """Consumer warpgroups: one tile of O and LSE. Returns the advanced (Q, K/V)
         pipeline states. first_turn: give warpgroup 1 the first GEMM turn here (a
         persistent CTA does that once, before its first tile). n_skip: K / V stages
         to release unread first (causal K/V multicast). blocks, masks: with
         ``masked``, the tile's key blocks and (key intervals, query and key segment
-        ids)."""
+        ids). out_batch: the batch index of O and LSE (split keys: split x B +
+        batch), else ``batch``; keys: the split's keys (``kv_blocks``)."""
+        if cutlass.const_expr(out_batch is None):
+            out_batch = batch
         tidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         wg_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
         wg_layout = cute.make_layout(self.num_consumer_wg, stride=_THREADS_PER_WG)
@@ -1022,7 +1098,7 @@ class FlashFwdSm90(FwdCall):
         softmax.reset()
         if cutlass.const_expr(self.masked):
             mask = RangeMask(self.tile_m, self.tile_n, thr_mma_qk, tiled_mma_qk.get_slice(0),
-                             *masks, m_block, batch, seqlen_q, seqlen_k)
+                             *masks, m_block, batch, seqlen_q, seqlen_k, keys=keys)
         else:
             mask = TileMask(self.tile_m, self.tile_n, seqlen_k, thr_mma_qk,
                             tiled_mma_qk.get_slice(0), bitmask=self.tiles.mask_bitmask)
@@ -1169,8 +1245,12 @@ class FlashFwdSm90(FwdCall):
             sink_log2 = mSinks[batch, head] * LOG2_E
         inv_sum, lse = softmax.finalize(sink_log2)
         rescale_rows(acc_O, inv_sum)
-        self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head,
-                      batch, seqlen_q)
+        if cutlass.const_expr(self.split_kv):
+            self.store_split(acc_O, lse, mO, mLSE, tiled_mma_pv, tidx, m_block, head,
+                             out_batch, seqlen_q)
+        else:
+            self.epilogue(acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block,
+                          head, out_batch, seqlen_q)
         return q_state, state
 
     def _cap(self, acc_S):
@@ -1277,6 +1357,75 @@ class FlashFwdSm90(FwdCall):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
+    @cute.jit
+    def store_split(
+        self,
+        acc_O: cute.Tensor,  # this thread's O fragment, fp32, already / row_sum
+        lse: cute.Tensor,  # (rows of this thread,) f32
+        mO: cute.Tensor,  # (Sq, Dv, Hq, B x splits) f32
+        mLSE: cute.Tensor,  # (Sq, Hq, B x splits) f32
+        tiled_mma_pv: cute.TiledMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,  # split x B + batch
+        seqlen_q: Int32,
+    ):
+        """A split's O and LSE in float32 for the combine (Note [Split keys]),
+        straight from the registers: a decode tile has few valid rows, so nothing
+        goes through SMEM."""
+        c_o = acc_mn_view(tiled_mma_pv.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        o_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            row = m_block * self.tile_m + c_o[r, 0][0]
+            if row < seqlen_q:
+                if c_o[0][1] == 0:
+                    mLSE[row, head, batch] = lse[r]
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    mO[row, c_o[r, c][1], head, batch] = o_mn[r, c]
+
+
+class PagedKV:
+    """The K or V loads of one tile from a page pool (Note [Paged KV]): ``load``
+    puts block n's tile_n keys into a stage as tile_n / r TMA boxes of r rows, each
+    from the page that holds them. Page slots past the table's end (a block that
+    runs past a sequence's last page) read its last page, and page ids are clamped
+    into the pool: never an out-of-bounds read, and the intervals mask those keys."""
+
+    def __init__(self, mX: cute.Tensor, mPageTable: cute.Tensor, sX: cute.Tensor,
+                 atom: cute.CopyAtom, page_size: int, tile_n: int, head_kv: Int32,
+                 batch: Int32):
+        self.rows = min(page_size, tile_n)
+        self.cols = cute.size(sX, mode=[1])
+        self.page_size, self.tile_n = page_size, tile_n
+        self.mX, self.table, self.atom = mX, mPageTable, atom
+        self.head_kv, self.batch = head_kv, batch
+        # (rows, cols, pieces, 1, stages): piece j of a stage is its rows [j r, j r + r).
+        self.sX = cute.flat_divide(sX, (self.rows, self.cols))
+
+    @cute.jit
+    def load(self, pipe, state, n_block: Int32):
+        """Block n_block into the stage of ``state``, by the whole load warp: lane j
+        reads piece j's page id (before the wait for the stage), the copies take
+        them by shuffle."""
+        pieces = self.tile_n // self.rows
+        lane_key = n_block * self.tile_n + cute.arch.lane_idx() * self.rows
+        slot = cutlass.min(lane_key // self.page_size, self.table.shape[1] - 1)
+        lane_page = cutlass.max(cutlass.min(self.table[self.batch, slot],
+                                            self.mX.shape[3] - 1), 0)
+        pipe.producer_acquire(state)
+        for j in cutlass.range(pieces, unroll=1):
+            key = n_block * self.tile_n + j * self.rows
+            page = cute.arch.shuffle_sync(lane_page, j)
+            g = cute.local_tile(self.mX[None, None, self.head_kv, page],
+                                (self.rows, self.cols), (None, 0))
+            tXsX, tXgX = tma_tile_partition(self.atom, self.sX, g)
+            cute.copy(self.atom, tXgX[None, (key % self.page_size) // self.rows],
+                      tXsX[None, j, 0, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+
+
 class FlashFwdSm90Dynamic(FlashFwdSm90):
     """The causal persistent forward (``Sm90FwdTiles.persistent`` with causal): one
     CTA per SM takes tiles from a global counter, longest first, so the tiles'
@@ -1300,7 +1449,8 @@ def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
                   causal: bool = False, softmax_scale: float | None = None,
                   tiles: Sm90FwdTiles | None = None, masked: bool = False,
                   segments: bool = False, sinks: bool = False,
-                  softcap: float | None = None, pack_gqa: int = 1) -> FlashFwdSm90:
+                  softcap: float | None = None, pack_gqa: int = 1,
+                  split_kv: bool = False, page_size: int = 0) -> FlashFwdSm90:
     """The sm90 forward kernel object for a configuration: ``FlashFwdSm90Dynamic``
     where its tiles make it the causal (or masked) persistent kernel, which takes
     the tile counter operand, else ``FlashFwdSm90``."""
@@ -1308,4 +1458,5 @@ def make_fwd_sm90(dtype: Any, head_dim: int, head_dim_v: int | None = None,
     t = tiles or fwd_tiles(head_dim, hv, causal, masked)
     cls = FlashFwdSm90Dynamic if t.persistent and (causal or masked) else FlashFwdSm90
     return cls(dtype, head_dim, hv, causal, softmax_scale, tiles=t, masked=masked,
-               segments=segments, sinks=sinks, softcap=softcap, pack_gqa=pack_gqa)
+               segments=segments, sinks=sinks, softcap=softcap, pack_gqa=pack_gqa,
+               split_kv=split_kv, page_size=page_size)

@@ -14,9 +14,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_fa4.config import AttentionConfig, deterministic_bwd_support_error, dtype_name
+from jax_fa4.config import (
+    AttentionConfig,
+    deterministic_bwd_support_error,
+    dtype_name,
+    page_size_error,
+)
 from jax_fa4.ffi import cutlass_available, kernel_call
-from jax_fa4.rules.plan import bwd_plan, fwd_plan
+from jax_fa4.reference import gather_pages
+from jax_fa4.rules.plan import bwd_plan, fwd_plan, fwd_tile_shape, num_sms, split_count
 from jax_fa4.rules.ranges import key_block_ranges, key_ranges, mask_arrays, query_ranges
 
 # Per tensor: the dimensions that are compile-time constants (the head dims).
@@ -41,13 +47,14 @@ def _positive_scale(q, config: AttentionConfig):
     return -q, dataclasses.replace(config, scale=-config.scale)
 
 
-def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool, walk_tiles=None):
+def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool, walk_tiles=None,
+                   sk: int | None = None):
     """The masked kernels' operands after their others: each query's key interval
     (forward) or each key's query interval (backward), then with segment ids the
     ids, then with ``walk_tiles`` (the deterministic backward: (keys, queries) per
     block) each key block's walk over the query blocks (rules/ranges.py)."""
     m = mask_arrays(config, masks)
-    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1] if sk is None else sk
     if keys:
         ranges = key_ranges(config, sq, sk, m, b)
     else:
@@ -62,6 +69,70 @@ def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool, walk_til
     return ops, static
 
 
+def _forward_splits(config: AttentionConfig, arch: str, q, sk: int, hkv: int, dv: int
+                    ) -> tuple[bool, int]:
+    """(masked kernel, key splits) of a forward call with ``sk`` keys on ``hkv`` heads.
+    Calls whose every query row of a KV head fits one tile (decode, short chunks)
+    take the masked kernel even without a mask: it packs the GQA heads into the tile
+    and splits the keys where the tiles alone would leave SMs idle (Note [Split
+    keys] in kernels/sm90_fwd.py)."""
+    b, sq, hq, d = q.shape
+    group = hq // hkv
+    tile_m, _ = fwd_tile_shape(arch, d, dv, True)
+    forced = config.num_splits is not None and config.num_splits > 1
+    masked = config.masked or sq * group <= tile_m or forced
+    if not masked or config.num_splits == 1:
+        return masked, 1
+    if config.num_splits is not None:
+        return True, config.num_splits
+    pack = fwd_plan(arch, dtype_name(q.dtype), d, dv, False, 1.0, True, group=group).key.pack_gqa
+    heads, rows = (hkv, sq * group) if pack > 1 else (hq, sq)
+    return True, split_count(arch, d, dv, b, heads, rows, sk, num_sms())
+
+
+def _paged_operands(config: AttentionConfig, arch: str, q, k, v, masks):
+    """(masks without the page table, page table or None, page size or 0, logical
+    key count) of a forward call. A paged call's kernel reads the pages in place
+    (Note [Paged KV] in kernels/sm90_fwd.py) where its key blocks and the page size
+    tile each other; else the table is None and the caller gathers the pages."""
+    if not config.paged:
+        return masks, None, 0, k.shape[1]
+    n = config.num_mask_operands
+    table, page_size = masks[n], k.shape[1]
+    sk = table.shape[1] * page_size
+    tile_n = fwd_tile_shape(arch, q.shape[-1], v.shape[-1], True)[1]
+    if arch != "sm_90a" or page_size_error(page_size, tile_n) is not None:
+        return masks, None, 0, sk
+    return masks[:n] + masks[n + 1:], table, page_size, sk
+
+
+def combine_splits(out, lse, splits: int, sinks=None, dtype=None):
+    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) from the float32 partials of ``splits``
+    key splits (out [splits x B, Sq, Hq, Dv], lse [splits x B, Hq, Sq], split major),
+    in float32: each split's out weighted by exp(its lse - the total lse). ``sinks``
+    [B, Hq] join the denominator here (the split kernels take none). A row no split
+    saw (all lse -inf) gets out 0 and lse -inf (or the sink's)."""
+    sb, sq, hq, dv = out.shape
+    b = sb // splits
+    out = out.reshape(splits, b, sq, hq, dv)
+    lse = lse.reshape(splits, b, hq, sq)
+    top = jnp.max(lse, axis=0)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32)[:, :, None]
+        top = jnp.maximum(top, sink)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    w = jnp.exp(lse - top)
+    total = jnp.sum(w, axis=0)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
+    seen = total > 0
+    lse_out = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    w = w / jnp.where(seen, total, 1.0)
+    # Elementwise and summed (one XLA fusion), not a dot: no TF32 on the way.
+    o = jnp.sum(jnp.transpose(w, (0, 1, 3, 2))[..., None] * out, axis=0)
+    return o.astype(dtype or out.dtype), lse_out
+
+
 def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     """(out [B,Sq,Hq,Dv], lse [B,Hq,Sq] f32) from the forward kernel. masks: the mask
     arrays the config names (AttentionConfig)."""
@@ -70,25 +141,39 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     dv = v.shape[-1]
     if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
         return jnp.zeros((b, sq, hq, dv), q.dtype), jnp.zeros((b, hq, sq), jnp.float32)
+    masks, table, page_size, sk = _paged_operands(config, arch, q, k, v, masks)
+    if table is None and config.paged:  # pages the kernels cannot read in place
+        k, v = gather_pages(k, v, masks[config.num_mask_operands])
+        masks = masks[:config.num_mask_operands] + masks[config.num_mask_operands + 1:]
+    masked, splits = _forward_splits(config, arch, q, sk, k.shape[2], dv)
     plan = fwd_plan(arch, dtype_name(q.dtype), q.shape[-1], dv, bool(config.causal),
-                    float(config.scale), config.masked, config.segments, config.sinks,
-                    config.softcap, hq // k.shape[2])
+                    float(config.scale), masked, config.segments, config.sinks,
+                    config.softcap, hq // k.shape[2], splits > 1, page_size)
     inputs, in_static = (q, k, v), (_BSHD, _BSHD, _BSHD)
-    outs = (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
-            jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
+    if splits > 1:
+        outs = (jax.ShapeDtypeStruct((splits * b, sq, hq, dv), jnp.float32),
+                jax.ShapeDtypeStruct((splits * b, hq, sq), jnp.float32))
+    else:
+        outs = (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
     out_static, aliases = (_BSHD, _BHS), {}
     if plan.tile_counter:
         # A fresh zero each call (XLA memsets it), updated in place and dropped.
         inputs, in_static = inputs + (jnp.zeros((1,), jnp.int32),), in_static + ((0,),)
         outs, out_static = outs + (jax.ShapeDtypeStruct((1,), jnp.int32),), out_static + ((0,),)
         aliases = {3: 2}
-    if config.masked:
-        ops, static = _mask_operands(config, masks, q, k, keys=False)
+    if masked:
+        ops, static = _mask_operands(config, masks, q, k, keys=False, sk=sk)
         inputs, in_static = inputs + ops, in_static + static
-    if config.sinks:  # the last operand: the sink logits (B, Hq) float32
+    if table is not None:
+        inputs, in_static = inputs + (table,), in_static + ((),)
+    if plan.key.sinks:  # the last operand: the sink logits (B, Hq) float32
         inputs, in_static = inputs + (masks[-1].astype(jnp.float32),), in_static + ((),)
     out, lse = kernel_call(plan.key, plan.build, inputs, outs, in_static=in_static,
                            out_static=out_static, aliases=aliases)[:2]
+    if splits > 1:
+        out, lse = combine_splits(out, lse, splits, masks[-1] if config.sinks else None,
+                                  q.dtype)
     return out, lse
 
 

@@ -51,6 +51,10 @@ class FwdPlan:
             extra["softcap"] = k.softcap
         if k.pack_gqa > 1:
             extra["pack_gqa"] = k.pack_gqa
+        if k.split_kv:
+            extra["split_kv"] = True
+        if k.page_size:
+            extra["page_size"] = k.page_size
         return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                     **extra)
 
@@ -132,16 +136,31 @@ class BwdPlan:
                                    k.dq_tile_m or None, use_pdl=self.pdl)
 
 
+def fwd_tile_shape(arch: str, head_dim: int, head_dim_v: int, masked: bool
+                   ) -> tuple[int, int]:
+    """(query rows, keys) of one tile of the (masked) forward of ``arch``."""
+    if arch == "sm_90a":
+        from jax_fa4.kernels.sm90_fwd import fwd_tiles
+
+        tiles = fwd_tiles(head_dim, head_dim_v, False, masked)
+        return tiles.tile_m, tiles.tile_n
+    # sm_100a: one CTA runs two 128-row tiles (compiled, not run on hardware).
+    return 256, 128
+
+
 @functools.cache
 def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
              scale: float, masked: bool = False, segments: bool = False,
              sinks: bool = False, softcap: float | None = None,
-             group: int = 1) -> FwdPlan:
+             group: int = 1, split_kv: bool = False, page_size: int = 0) -> FwdPlan:
     """``masked``: the kernel takes key intervals that carry every mask, causal
     included (``causal`` is then ignored); ``segments``: and the segment ids;
     ``sinks``: and the sink logits; ``softcap``: the logits' cap, or None;
     ``group``: query heads per KV head, which the masked forward packs into its
-    tiles where they divide them (Note [Packed GQA] in kernels/sm90_fwd.py)."""
+    tiles where they divide them (Note [Packed GQA] in kernels/sm90_fwd.py);
+    ``split_kv``: the masked forward writes float32 partials of key splits (Note
+    [Split keys]), and takes no sinks (the combine adds them); ``page_size``: K and V
+    are pools of pages of that many keys, read in place (Note [Paged KV])."""
     if masked:
         causal = False
     counter, tile_m = False, 128
@@ -154,8 +173,39 @@ def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     pack = group if masked and group > 1 and tile_m % group == 0 else 1
     key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
                     head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
-                    segments=segments, sinks=sinks, softcap=softcap, pack_gqa=pack)
+                    segments=segments, sinks=sinks and not split_kv, softcap=softcap,
+                    pack_gqa=pack, split_kv=split_kv, page_size=page_size)
     return FwdPlan(key=key, tile_counter=counter)
+
+
+@functools.cache
+def num_sms() -> int:
+    """SMs of GPU 0 (132 where none can be queried, as when cross-compiling)."""
+    from jax_fa4.kernels.sm90_fwd import sm_count
+
+    return sm_count()
+
+
+# Split keys: a tile count that fills this share of the SMs needs no split; at most
+# this many splits, each of at least this many key blocks.
+_SPLIT_FILL = 0.8
+_MAX_SPLITS = 128
+_MIN_SPLIT_BLOCKS = 2
+
+
+def split_count(arch: str, head_dim: int, head_dim_v: int, batch: int, heads: int,
+                rows: int, seqlen_k: int, num_sms: int) -> int:
+    """Splits of the key range for the masked forward (Note [Split keys] in
+    kernels/sm90_fwd.py), from the shapes: ``heads`` x ``rows`` are the tiles' heads
+    and rows per head (KV heads x packed rows, or query heads x Sq). Enough splits
+    that the tiles fill the SMs in one wave, where the tiles alone leave them idle
+    (flash-decoding); 1 where they fill them or the keys are few."""
+    tile_m, tile_n = fwd_tile_shape(arch, head_dim, head_dim_v, True)
+    tiles = batch * heads * -(-rows // tile_m)
+    blocks = -(-seqlen_k // tile_n)
+    if tiles >= _SPLIT_FILL * num_sms:
+        return 1
+    return max(1, min(num_sms // max(tiles, 1), blocks // _MIN_SPLIT_BLOCKS, _MAX_SPLITS))
 
 
 @functools.cache

@@ -93,8 +93,9 @@ def _aval(shape, dtype, *like):
 
 @fa4_fwd_p.def_abstract_eval
 def _fwd_abstract(q, k, v, *masks, config: AttentionConfig):
-    # masks: the per-batch mask arrays the config names, then the sinks (AttentionConfig).
-    n = config.num_mask_operands + config.sinks
+    # masks: the per-batch mask arrays the config names, then the page table, then the
+    # sinks (AttentionConfig).
+    n = config.num_mask_operands + config.paged + config.sinks
     if len(masks) != n:
         raise TypeError(f"fa4_fwd takes {3 + n} operands, got {3 + len(masks)}")
     b, sq, hq, _ = q.shape
@@ -138,6 +139,17 @@ def _batch_rule(prim, args, dims, *, config):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if prim is fa4_fwd_p and all(d is None for d in dims[1:]):
         return _fwd_batch_shared_kv(args, dims[0], size, config)
+    if config.paged:
+        # The pools hold every sequence's pages: the vmapped sequences index them
+        # through their page tables, which fold into the batch with the queries.
+        if dims[1] is not None or dims[2] is not None:
+            raise NotImplementedError("jax_fa4.attention with a page_table: vmap over the "
+                                      "page pools is not supported; vmap the queries, "
+                                      "page tables and lengths over one pool")
+        folded = [a if i in (1, 2) else _fold(a, d, size)
+                  for i, (a, d) in enumerate(zip(args, dims))]
+        results = prim.bind(*folded, config=config)
+        return [_unfold(r, size) for r in results], [0] * len(results)
     folded = [_fold(a, d, size) for a, d in zip(args, dims)]
     results = prim.bind(*folded, config=config)
     return [_unfold(r, size) for r in results], [0] * len(results)
@@ -180,6 +192,10 @@ def _mask_kwargs(config: AttentionConfig, masks) -> dict:
 
 
 def _reference_fwd(q, k, v, *operands, config):
+    if config.paged:  # the pages gathered into contiguous keys
+        n = config.num_mask_operands
+        k, v = reference.gather_pages(k, v, operands[n])
+        operands = operands[:n] + operands[n + 1:]
     return reference.attention_blockwise(q, k, v, scale=config.scale,
                                          sinks=operands[-1] if config.sinks else None,
                                          **_mask_kwargs(config, operands))

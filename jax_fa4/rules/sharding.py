@@ -31,6 +31,7 @@ _QKV = ("b s h d", "b t k d", "b t k e")
 _BWD_EXTRA = ("b s h e", "b h s", "b s h e")
 # In order of first appearance in the rules (the verifier wants them sorted).
 _REPLICATED_FACTORS = ("s", "d", "t", "e")
+_PAGED_REPLICATED_FACTORS = ("s", "d", "p", "r", "e", "n")
 
 
 def _mask_factors(config) -> tuple[str, ...]:
@@ -41,7 +42,10 @@ def _mask_factors(config) -> tuple[str, ...]:
 def _rule(kind: str, config, dlse: bool) -> str:
     if kind == "fwd":
         sinks = ("b h",) if config.sinks else ()
-        return ", ".join(_QKV + _mask_factors(config) + sinks) + " -> b s h e, b h s"
+        # Paged: K / V are pools [pages, page rows, k, d] that every batch entry reads
+        # through its row of the page table [b, n].
+        qkv, table = (("b s h d", "p r k d", "p r k e"), ("b n",)) if config.paged else (_QKV, ())
+        return ", ".join(qkv + _mask_factors(config) + table + sinks) + " -> b s h e, b h s"
     args = _QKV + _BWD_EXTRA + _mask_factors(config) + (("b h s",) if dlse else ())
     return ", ".join(args) + " -> b s h d, b t k d, b t k e"
 
@@ -53,6 +57,9 @@ def _specs(kind: str, config, dlse: bool, batch, heads):
              + (P(batch, None),) * (2 * config.segments))
     if kind == "fwd":
         sinks = (P(batch, heads),) if config.sinks else ()
+        if config.paged:
+            pool = P(None, None, heads, None)
+            return (bshd, pool, pool) + masks + (P(batch, None),) + sinks, (bshd, bhs)
         return (bshd, bshd, bshd) + masks + sinks, (bshd, bhs)
     return (bshd,) * 4 + (bhs, bshd) + masks + ((bhs,) if dlse else ()), (bshd,) * 3
 
@@ -96,7 +103,7 @@ def _plan(mesh, arg_shapes):
     return batch, heads
 
 
-def _make(impl: Callable, specs_fn, rule: str, n_args: int):
+def _make(impl: Callable, specs_fn, rule: str, n_args: int, replicated: tuple[str, ...]):
     @functools.partial(custom_partitioning, static_argnums=(n_args,))
     def call(*args):
         *arrays, static = args
@@ -125,17 +132,18 @@ def _make(impl: Callable, specs_fn, rule: str, n_args: int):
         partition=partition,
         infer_sharding_from_operands=infer,
         sharding_rule=rule,
-        need_replication_factors=_REPLICATED_FACTORS,
+        need_replication_factors=replicated,
     )
     return call
 
 
 @functools.cache
 def _partitioned(kind: str, config, dlse: bool, impl: Callable) -> Callable:
-    n_args = 3 + config.num_mask_operands + config.sinks if kind == "fwd" else (
+    n_args = 3 + config.num_mask_operands + config.paged + config.sinks if kind == "fwd" else (
         6 + config.num_mask_operands + dlse)
     specs_fn = functools.partial(_specs, kind, config, dlse)
-    return _make(impl, specs_fn, _rule(kind, config, dlse), n_args)
+    replicated = _PAGED_REPLICATED_FACTORS if config.paged else _REPLICATED_FACTORS
+    return _make(impl, specs_fn, _rule(kind, config, dlse), n_args, replicated)
 
 
 def partitioned(kind: str, mask_config, dlse: bool, impl: Callable, **static) -> Callable:
