@@ -19,6 +19,8 @@ Cases (the masks issue's rows):
   hdim192      B=2 x 8k, causal, 16 heads of 192                vs cuDNN, flash-attn-4
   mla          B=2 x 8k, causal, 16 heads of (192, 128)         vs flash-attn-4 (jax.nn
                (DeepSeek's)                                     takes no other v dim)
+  short32      4096 sequences of 32, causal, 16 heads of 64     vs cuDNN, flash-attn-4
+  short128     1024 sequences of 128, causal, 16 heads of 128   vs cuDNN, flash-attn-4
 
 TFLOP/s count the visible (query, key) pairs: forward 2 * H * (D + Dv) * pairs,
 backward 2.5x.
@@ -109,6 +111,10 @@ def cases() -> list[Case]:
              fa4="func", fa4_kwargs=dict(causal=True), hdim=192),
         Case("mla", 2, 8192, 8192, dict(causal=True), fa4="func",
              fa4_kwargs=dict(causal=True), hdim=192, hdim_v=128),
+        Case("short32", 4096, 32, 32, dict(causal=True), cudnn=dict(is_causal=True),
+             fa4="func", fa4_kwargs=dict(causal=True), hdim=64),
+        Case("short128", 1024, 128, 128, dict(causal=True), cudnn=dict(is_causal=True),
+             fa4="func", fa4_kwargs=dict(causal=True)),
     ]
 
 

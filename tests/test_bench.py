@@ -266,3 +266,6 @@ def test_masked_cases_count_their_visible_pairs():
     assert bm.visible_pairs(cases["sinks"]) == 2 * sum(min(i, 128) + 1 for i in range(8192))
     assert bm.visible_pairs(cases["softcap"]) == 2 * tri(8192)
     assert bm.visible_pairs(cases["mla"]) == 2 * tri(8192)
+    # Many short causal sequences.
+    assert bm.visible_pairs(cases["short32"]) == 4096 * tri(32)
+    assert bm.visible_pairs(cases["short128"]) == 1024 * tri(128)

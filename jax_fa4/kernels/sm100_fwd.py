@@ -374,8 +374,9 @@ class FlashFwdSm100(FwdCall):
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
 
         seqlen_q = self.q_rows(mQ)
-        # Batches as the LSE has them: with split keys, batch x split.
-        grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(mLSE.shape[2]))
+        # With split keys the batches are batch x split, as the partial LSE has them.
+        batches = mLSE.shape[2] if cutlass.const_expr(self.split_kv) else mQ.shape[3]
+        grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(batches))
         self.kernel(
             tma_Q,
             tma_K,

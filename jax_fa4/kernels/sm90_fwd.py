@@ -142,6 +142,25 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # packed rows as they read positions, and TMA moves a tile as a (g, tile_m / g)
 # box. The sinks are per row (each row's own query head).
 
+# Note [Split keys]
+# ~~~~~~~~~~~~~~~~~~
+# Decode has one query row per sequence and head (a few with packed GQA heads), so
+# its tiles are (batch x KV heads) and each walks the whole cache: 8 tiles for one
+# sequence of 8 KV heads leave 124 of 132 SMs idle. Flash-decoding splits each
+# tile's key blocks into s consecutive runs, one tile each: the tiles run over
+# (query block, head, batch x split), split major, and write their O and LSE as
+# float32 partials, [s x B, ...]; a combine after the kernel (``combine_splits`` in
+# rules/kernels_cuda.py, one XLA fusion) weighs each split's O by exp(its lse - the
+# total lse) and adds the sinks there, so the split kernel takes none. The split
+# count is the partials' batch extent over B: data, not a compile-time constant,
+# so one kernel serves every count (``rules/plan.split_count`` picks it from the
+# shapes, enough to fill the SMs once). A split is ceil(n / s) of the tile's n
+# blocks (``BlockRange.split``); one that gets none still visits one block with
+# every key masked, so it writes out 0 and lse -inf through the ordinary path and
+# the roles keep walking the same blocks. Partials leave the registers straight to
+# global memory (``store_split``): a decode tile has few valid rows. flash-attn-4
+# splits the same way (``num_splits``, its ``FlashAttentionForwardCombine``).
+
 # Note [Paged KV]
 # ~~~~~~~~~~~~~~
 # A paged cache's K and V are pools (pages, page_size, Hkv, D): sequence b's key j
@@ -525,10 +544,9 @@ class FlashFwdSm90(FwdCall):
                              f"SMEM, more than the {_SM90_MAX_SMEM_BYTES} a CTA may use")
         seqlen_q = self.q_rows(mQ)
         c = self.cluster_m
-        # Clusters: the query blocks of a head rounded up to whole clusters; batches
-        # (with split keys batch x split) as the LSE has them.
+        # Clusters: the query blocks of a head rounded up to whole clusters.
         grid = (cute.ceil_div(seqlen_q, tm * c) * c, cute.size(mQ.shape[2]),
-                cute.size(mLSE.shape[2]))
+                cute.size(self.tile_batches(mQ, mLSE)))
         if cutlass.const_expr(self.persistent):
             total = grid[0] * grid[1] * grid[2] // c
             grid = (cutlass.min(total, self.num_sms // c) * c, 1, 1)
@@ -654,9 +672,8 @@ class FlashFwdSm90(FwdCall):
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        # Tiles run over (query block, head, batch x split): the LSE's batch extent
-        # (Note [Split keys]).
-        num_b = mLSE.shape[2]
+        # Tiles run over (query block, head, batch x split) (Note [Split keys]).
+        num_b = self.tile_batches(mQ, mLSE)
         # Non-persistent: this CTA's one tile (persistent CTAs leave it unused).
         m_block, head, out_batch = self.block_coord(mQ, mK, num_b)
         batch = out_batch
@@ -762,6 +779,13 @@ class FlashFwdSm90(FwdCall):
             # its stages (Note [K/V multicast]).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    def tile_batches(self, mQ: cute.Tensor, mLSE: cute.Tensor):
+        """The batch extent of the tiles: B, or with split keys B x splits, the
+        partial LSE's (Note [Split keys])."""
+        if cutlass.const_expr(self.split_kv):
+            return mLSE.shape[2]
+        return mQ.shape[3]
 
     def block_coord(self, mQ: cute.Tensor, mK: cute.Tensor, num_b):
         """(m_block, head, batch) of a non-persistent CTA. Causal tiles lower in the

@@ -35,6 +35,50 @@ def unavailable(arch: str) -> str | None:
     return cutlass_available(arch)
 
 
+# Note [Short sequences]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A batch of many short sequences (Sq = Sk <= 128 and no mask beyond causal) would
+# give each kernel tile one sequence of a (batch, head) pair: a 128- or 192-row
+# tile with 32 of its rows used, and a CTA per few microseconds of work. Instead
+# the CUDA lowering lays p sequences of the batch end to end, [B, S] -> [B / p, p
+# S] (a free reshape), as packed documents: segment ids i // S, whose intervals
+# are exact, so the masked kernels skip every key block of other sequences and
+# mask within the diagonal blocks. Out, dq, dk, dv reshape back for free; the lse
+# and its cotangent, [B, H, S], are transposed. p is the largest divisor of B with
+# p S <= _SHORT_ROW. Sinks, which may differ per batch entry, keep one sequence
+# per row.
+_SHORT_SEQ = 128
+_SHORT_ROW = 512
+
+
+def _short_rows(config: AttentionConfig, b: int, sq: int, sk: int) -> int:
+    """Sequences per packed row (Note [Short sequences]); 1 for none."""
+    if sq != sk or sq > _SHORT_SEQ or config.masked or config.sinks or config.paged:
+        return 1
+    p = max(1, min(b, _SHORT_ROW // sq))
+    while b % p:
+        p -= 1
+    return p
+
+
+def _packed_rows(p: int, config: AttentionConfig, *xs):
+    """(config with segment ids, [B, S, ...] arrays as [B / p, p S, ...], then the
+    ids [B / p, p S] twice) of ``p`` sequences per row (Note [Short sequences])."""
+    b, s = xs[0].shape[:2]
+    rows = tuple(x.reshape(b // p, p * s, *x.shape[2:]) for x in xs)
+    ids = jnp.broadcast_to(jnp.repeat(jnp.arange(p, dtype=jnp.int32), s), (b // p, p * s))
+    return dataclasses.replace(config, segments=True), rows, (ids, ids)
+
+
+def _stat_rows(p: int, x, packed: bool):
+    """An lse-like [B, H, S] as [B / p, H, p S] (packed) or back."""
+    if packed:
+        b, h, s = x.shape
+        return x.reshape(b // p, p, h, s).transpose(0, 2, 1, 3).reshape(b // p, h, p * s)
+    bp, h, ps = x.shape
+    return x.reshape(bp, h, p, ps // p).transpose(0, 2, 1, 3).reshape(bp * p, h, ps // p)
+
+
 def _positive_scale(q, config: AttentionConfig):
     """(q, config) with a positive softmax scale, the same scaled scores.
 
@@ -141,6 +185,11 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     dv = v.shape[-1]
     if b == 0 or hq == 0:  # nothing to compute (a CUDA grid may not be empty)
         return jnp.zeros((b, sq, hq, dv), q.dtype), jnp.zeros((b, hq, sq), jnp.float32)
+    p = _short_rows(config, b, sq, k.shape[1])
+    if p > 1:  # Note [Short sequences]
+        packed, (q, k, v), ids = _packed_rows(p, config, q, k, v)
+        out, lse = forward(q, k, v, *ids, config=packed, arch=arch)
+        return out.reshape(b, sq, hq, dv), _stat_rows(p, lse, packed=False)
     masks, table, page_size, sk = _paged_operands(config, arch, q, k, v, masks)
     if table is None and config.paged:  # pages the kernels cannot read in place
         k, v = gather_pages(k, v, masks[config.num_mask_operands])
@@ -195,6 +244,13 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
         return -dq, dk, dv
     masks, dlse = rest[:config.num_mask_operands], rest[config.num_mask_operands:]
     b, sq, hq, _ = q.shape
+    p = _short_rows(config, b, sq, k.shape[1])
+    if p > 1:  # Note [Short sequences]
+        packed, rows, ids = _packed_rows(p, config, q, k, v, out, dout)
+        stats = [_stat_rows(p, x, packed=True) for x in (lse, *dlse)]
+        grads = backward(*rows[:4], stats[0], rows[4], *ids, *stats[1:], config=packed,
+                         arch=arch)
+        return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
     if b == 0 or hq == 0:  # no query attends to K and V: their gradients are zero
         return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
     plan = bwd_plan(arch, dtype_name(q.dtype), q.shape[-1], v.shape[-1], bool(config.causal),
