@@ -165,7 +165,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     bar_dq_empty = 4
     tile_m = 64  # query rows per block
     tile_n = 64  # key rows per CTA (32 per MMA warpgroup in S and dP)
-    stages_qdo = 1  # Q / dO / LSElog2 / Dpsum pipeline stages
+
+    @property
+    def stages_qdo(self) -> int:
+        """Q / dO / LSElog2 / Dpsum pipeline stages: 2 where they fit (below hdim 256,
+        Note [Wide shared memory])."""
+        return 1 if self.head_dim == 256 else 2
 
     @property
     def swap_dkv(self) -> bool:
