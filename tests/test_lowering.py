@@ -103,15 +103,24 @@ def test_hdim256_lowers_for_sm90_only(monkeypatch, causal):
 
 
 def test_one_binary_serves_every_shape(monkeypatch):
-    """A kernel configuration compiles once; new batch / sequence / head counts reuse it."""
+    """A kernel configuration compiles once; new batch / sequence / head counts reuse it:
+    the plain forward's, and the decode-like calls' masked forward (with and without
+    split keys, Note [Split keys] in kernels/sm90_fwd.py)."""
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
     fn = lambda q, k, v: jax_fa4.attention(q, k, v, scale=0.125, implementation="cute")  # noqa: E731
-    _lower(fn, *_structs(1, 128, 128, 2, 2, 64, jnp.bfloat16))
+    _lower(fn, *_structs(1, 300, 300, 2, 2, 64, jnp.bfloat16))
     n = len(compile_seconds)
-    for shape in [(3, 17, 4097, 4, 1), (2, 1000, 1, 6, 3), (5, 1, 1, 1, 1)]:
+    for shape in [(3, 257, 4097, 4, 1), (2, 1000, 1, 6, 3), (5, 300, 129, 1, 1)]:
         txt = _lower(fn, *_structs(*shape, 64, jnp.bfloat16))
         assert CALL in txt
     assert len(compile_seconds) == n
+    # Decode-like calls (a KV head's query rows fit one 192-row tile), 4 query heads
+    # per KV head (packed into the tiles: the group size is in the compile key): two
+    # kernels, split or not, for every shape.
+    for shape in [(3, 17, 4097, 4, 1), (2, 1, 9000, 8, 2), (5, 1, 7, 4, 1), (64, 3, 100, 8, 2)]:
+        txt = _lower(fn, *_structs(*shape, 64, jnp.bfloat16))
+        assert CALL in txt
+    assert len(compile_seconds) == n + 2
 
 
 def _cubin_sm_versions(hlo_text: str) -> list[int]:

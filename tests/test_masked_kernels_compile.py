@@ -249,3 +249,29 @@ def test_split_key_builds(tmp_path, arch, d):
         pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
     if arch == "sm_90a":
         assert not re.findall(r"\b(LDL|STL)\b", sass)
+
+
+@pytest.mark.parametrize("arch,d,page_size", [("sm_90a", 128, 16), ("sm_90a", 64, 64),
+                                              ("sm_90a", 256, 16), ("sm_100a", 128, 256)])
+def test_paged_builds(tmp_path, arch, d, page_size):
+    """The forward that reads a paged cache in place (Note [Paged KV] in
+    kernels/sm90_fwd.py), with split keys: K and V arrive as 4-D TMA boxes of the
+    pools; on sm_90a a block of several pages takes its page ids from the load
+    warp's lanes by shuffle, one box load per page piece in a run-time loop (no
+    local memory). sm_100a (pages of whole blocks): compiled, not run on hardware."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from kernel_compile import dump_options, lower_masked, read_dump
+
+    lower_masked(arch, "fwd", jnp.bfloat16, d, shape=(2, 3, 1000, 8, 2), splits=3,
+                 page_size=page_size, compile_options=dump_options(pathlib.Path(tmp_path)))
+    ptx = read_dump(pathlib.Path(tmp_path), "ptx")
+    assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global", ptx)
+    if arch == "sm_90a":
+        assert "shfl.sync.idx" in ptx
+        sass = read_dump(pathlib.Path(tmp_path), "sass")
+        if sass is None:
+            pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+        assert not re.findall(r"\b(LDL|STL)\b", sass)

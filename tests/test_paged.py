@@ -136,15 +136,16 @@ def test_differentiating_a_paged_call_raises():
         jax.grad(f, argnums=(0, 1))(q, k_pool)
 
 
-@pytest.mark.parametrize("page_size,in_place", [(64, True), (16, True), (256, True),
-                                                 (48, False)])
-def test_paged_decode_lowers_to_the_masked_forward_kernel(monkeypatch, kernel_calls,
+@pytest.mark.parametrize("arch,page_size,in_place", [
+    ("sm_90a", 64, True), ("sm_90a", 16, True), ("sm_90a", 256, True), ("sm_90a", 48, False),
+    ("sm_100a", 128, True), ("sm_100a", 256, True), ("sm_100a", 64, False)])
+def test_paged_decode_lowers_to_the_masked_forward_kernel(monkeypatch, kernel_calls, arch,
                                                           page_size, in_place):
-    """On sm_90a a paged decode step is one masked forward kernel (GQA heads packed
-    into its tiles) that reads the pools in place (Note [Paged KV]) where the page
-    size and its 128-key blocks tile each other; other page sizes are gathered into
-    contiguous keys first."""
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    """A paged decode step is one masked forward kernel (GQA heads packed into its
+    tiles) that reads the pools in place (Note [Paged KV]) where the page size and
+    its 128-key blocks tile each other (sm_100a: pages of whole blocks; compiled,
+    not run on hardware); other page sizes are gathered into contiguous keys first."""
+    monkeypatch.setenv("JAX_FA4_ARCH", arch)
     sds = jax.ShapeDtypeStruct
     pool = sds((64, page_size, 2, 128), jnp.bfloat16)
     text = jax.jit(lambda q, kp, vp, t, n: jax_fa4.attention(

@@ -79,6 +79,7 @@ from jax_fa4.kernels.cute_utils import (
     permute,
     set_forward_extras,
     set_mask_flags,
+    set_page_size,
     tma_tile_partition,
 )
 from jax_fa4.kernels.exp2 import exp2_poly_x2
@@ -236,6 +237,10 @@ class FlashFwdSm100(FwdCall):
         (Note [Packed GQA] in sm90_fwd.py), dividing tile_m; 1: none.
     split_kv: with ``masked`` and no sinks, O and LSE are float32 partials, one per
         split of each tile's key blocks (Note [Split keys] in sm90_fwd.py).
+    page_size: with ``masked``, K and V are page pools (pages, page_size, Hkv, D) of
+        whole 128-key blocks, and the call takes a page table after the mask
+        operands (Note [Paged KV] in sm90_fwd.py; smaller pages are gathered by the
+        lowering); 0: contiguous.
     """
 
     def __init__(
@@ -252,6 +257,7 @@ class FlashFwdSm100(FwdCall):
         softcap: float | None = None,
         pack_gqa: int = 1,
         split_kv: bool = False,
+        page_size: int = 0,
     ):
         self.dtype = as_cutlass_dtype(dtype, "sm100 forward")
         self.head_dim = head_dim
@@ -269,6 +275,12 @@ class FlashFwdSm100(FwdCall):
         if (self.tile_m, self.tile_n) != (128, 128):
             raise ValueError("sm100 forward is written for 128 x 128 tiles")
         set_forward_extras(self, sinks, softcap, pack_gqa, split_kv)
+        set_page_size(self, page_size)
+        if page_size and page_size % self.tile_n:
+            # A page piece of a block would be a box of the MMA-partitioned K / V
+            # layout; pages of whole blocks keep the contiguous kernel's boxes.
+            raise ValueError(f"the sm100 forward reads pages of whole {self.tile_n}-key "
+                             f"blocks, got pages of {page_size}")
         if 2 * self.tile_n + 2 * self.head_dim_v > _TMEM_COLS:
             raise ValueError("S0, S1, O0, O1 do not fit in tensor memory")
         if self.tile_n % 32 or t.sw_exp2_per_32 % 2 or not 0 <= t.sw_exp2_per_32 <= 32:
@@ -287,7 +299,7 @@ class FlashFwdSm100(FwdCall):
     @cute.jit
     def launch(self, stream: cuda.CUstream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, mTileCounter=None, mRanges=None, mQSeg=None,
-               mKSeg=None, mSinks=None):
+               mKSeg=None, mSinks=None, mPageTable=None):
         """The host side of ``FwdCall.__call__``, with the tensors as it takes them (no
         tile counter; with ``masked`` the key intervals, with ``segments`` the ids,
         with ``sinks`` the sink logits (B, Hq) f32)."""
@@ -387,6 +399,7 @@ class FlashFwdSm100(FwdCall):
             mQSeg,
             mKSeg,
             mSinks,
+            mPageTable,
             tma_atom_Q,
             tma_atom_K,
             tma_atom_V,
@@ -414,6 +427,7 @@ class FlashFwdSm100(FwdCall):
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
         mSinks: cute.Tensor | None,  # (B, Hq) f32 sink logits (sinks only)
+        mPageTable: cute.Tensor | None,  # (B, pages per sequence) int32 (paged only)
         tma_atom_Q: cute.CopyAtom,
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
@@ -494,6 +508,8 @@ class FlashFwdSm100(FwdCall):
             m_block = cute.arch.grid_dim()[0] - 1 - bidx
         seqlen_q = self.q_rows(mQ)
         seqlen_k = mK.shape[0]
+        if cutlass.const_expr(self.page_size):
+            seqlen_k = mPageTable.shape[1] * self.page_size
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         # Blocks [n_end - n_blocks, n_end), walked from the last; the first n_masked
         # steps masked, then n_full unmasked ones, then the rest masked again.
@@ -549,7 +565,7 @@ class FlashFwdSm100(FwdCall):
                 self.load(
                     mQ, mK, mVt, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_kv, m_block, head, head_kv,
-                    batch, n_blocks, n_end,
+                    batch, n_blocks, n_end, mPageTable,
                 )  # fmt: skip
 
     # ------------------------------------------------------------------ load
@@ -575,12 +591,14 @@ class FlashFwdSm100(FwdCall):
         batch: Int32,
         n_blocks: Int32,
         n_end: Int32,
+        mPageTable: cute.Tensor | None = None,  # (B, pages per sequence) (paged only)
     ):
         """Load warp: Q0, K(first), Q1, then K(t), V(t-1) ... V(last) through the ring,
         for the n_blocks key blocks before n_end, the last first.
 
         This is the order the MMA warp consumes them in. TMA zero-fills rows
-        past the sequence ends, so tails need no special loads.
+        past the sequence ends, so tails need no special loads. Paged: each block
+        is a whole-block box of its page (``_paged_tiles``).
         """
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
@@ -599,17 +617,44 @@ class FlashFwdSm100(FwdCall):
 
         n_last = n_end - 1
         q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block, 0], tQsQ, q_state)
-        kv_state = self._tma_load(pipe_kv, tma_atom_K, tKgK[None, n_last, 0], tKsK, kv_state)
+        # What a paged block's tiles are made from (``_kv_tile``).
+        pages = (mK, mVt, mPageTable, tma_atom_K, tma_atom_V, sK, sV, thr_qk, thr_pv,
+                 head_kv, batch)
+        kv_state = self._tma_load(pipe_kv, tma_atom_K, self._kv_tile(tKgK, pages, n_last, 0),
+                                  tKsK, kv_state)
         q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block + 1, 0], tQsQ, q_state)
         for t in cutlass.range(1, n_blocks, unroll=1):
             kv_state = self._tma_load(
-                pipe_kv, tma_atom_K, tKgK[None, n_last - t, 0], tKsK, kv_state
+                pipe_kv, tma_atom_K, self._kv_tile(tKgK, pages, n_last - t, 0), tKsK, kv_state
             )
             kv_state = self._tma_load(
-                pipe_kv, tma_atom_V, tVgV[None, 0, n_last - t + 1], tVsV, kv_state
+                pipe_kv, tma_atom_V, self._kv_tile(tVgV, pages, n_last - t + 1, 1), tVsV,
+                kv_state
             )
-        kv_state = self._tma_load(pipe_kv, tma_atom_V, tVgV[None, 0, n_end - n_blocks], tVsV,
-                                  kv_state)
+        kv_state = self._tma_load(pipe_kv, tma_atom_V,
+                                  self._kv_tile(tVgV, pages, n_end - n_blocks, 1), tVsV, kv_state)
+
+    def _kv_tile(self, tXgX, pages: tuple, n, which: int):
+        """Key block n's K (which 0) or V (1) tile in global memory: of the contiguous
+        partition tXgX, or of its page (``_paged_tiles``)."""
+        if cutlass.const_expr(self.page_size):
+            return self._paged_tiles(*pages, n)[which]
+        return tXgX[None, n, 0] if which == 0 else tXgX[None, 0, n]
+
+    def _paged_tiles(self, mK, mVt, mPageTable, tma_atom_K, tma_atom_V, sK, sV, thr_qk,
+                     thr_pv, head_kv, batch, n):
+        """(K tile, V tile) of key block n of a paged cache (Note [Paged KV] in
+        sm90_fwd.py): the block's page from the table (slots past its end read the
+        last one, ids clamped into the pool; the intervals mask those keys), then
+        the block's box inside the page, partitioned as the contiguous tiles are."""
+        slot = cutlass.min(n * self.tile_n // self.page_size, mPageTable.shape[1] - 1)
+        page = cutlass.max(cutlass.min(mPageTable[batch, slot], mK.shape[3] - 1), 0)
+        in_page = (n * self.tile_n % self.page_size) // self.tile_n
+        gK = cute.flat_divide(mK[None, None, head_kv, page], (self.tile_n, self.head_dim))
+        _, tKgK = tma_tile_partition(tma_atom_K, sK, thr_qk.partition_B(gK), rank=3)
+        gV = cute.flat_divide(mVt[None, None, head_kv, page], (self.head_dim_v, self.tile_n))
+        _, tVgV = tma_tile_partition(tma_atom_V, sV, thr_pv.partition_B(gV), rank=3)
+        return tKgK[None, in_page, 0], tVgV[None, 0, in_page]
 
     @cute.jit
     def _tma_load(

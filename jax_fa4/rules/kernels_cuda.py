@@ -145,7 +145,9 @@ def _paged_operands(config: AttentionConfig, arch: str, q, k, v, masks):
     table, page_size = masks[n], k.shape[1]
     sk = table.shape[1] * page_size
     tile_n = fwd_tile_shape(arch, q.shape[-1], v.shape[-1], True)[1]
-    if arch != "sm_90a" or page_size_error(page_size, tile_n) is not None:
+    # sm_100a reads pages of whole key blocks only (its boxes are MMA-partitioned).
+    if page_size_error(page_size, tile_n) is not None or (
+            arch == "sm_100a" and page_size % tile_n):
         return masks, None, 0, sk
     return masks[:n] + masks[n + 1:], table, page_size, sk
 
