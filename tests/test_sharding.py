@@ -120,3 +120,37 @@ def test_masks_shard_with_the_batch(mesh, spec):
     for g, w in zip(got, want):
         assert g.sharding.is_equivalent_to(sh, 4)
         assert max_err(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, None, "x")])
+def test_paged_decode_shards_with_the_batch_or_heads(mesh, spec):
+    """A paged call under jit: queries, page tables and lengths split with the batch
+    while every device keeps the whole pools (each sequence's pages may be anywhere
+    in them), or the pools split with the heads; no all-gather, the unsharded
+    call's values."""
+    from jax.sharding import NamedSharding
+
+    rng = np.random.default_rng(6)
+    pages, page_size, hkv, d = 12, 8, 4, 16
+    k_pool, v_pool = (jnp.asarray(rng.standard_normal((pages, page_size, hkv, d)), jnp.float32)
+                      for _ in range(2))
+    table = jnp.asarray(rng.permutation(pages)[:8].reshape(4, 2), jnp.int32)
+    lengths = jnp.asarray([16, 3, 0, 9], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, 1, 8, d)), jnp.float32)
+    batch, heads = spec[0], spec[2] if len(spec) > 2 else None
+    args = (jax.device_put(q, NamedSharding(mesh, spec)),
+            jax.device_put(k_pool, NamedSharding(mesh, P(None, None, heads))),
+            jax.device_put(v_pool, NamedSharding(mesh, P(None, None, heads))),
+            jax.device_put(table, NamedSharding(mesh, P(batch))),
+            jax.device_put(lengths, NamedSharding(mesh, P(batch))))
+
+    def attend(q, kp, vp, t, n):
+        return jax_fa4.attention(q, kp, vp, page_table=t, kv_lengths=n, scale=SCALE,
+                                 causal="bottom_right")
+
+    fn = jax.jit(attend)
+    hlo = fn.lower(*args).compile().as_text()
+    assert "all-gather" not in hlo
+    out = fn(*args)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+    assert max_err(out, attend(q, k_pool, v_pool, table, lengths)) < 1e-6
