@@ -135,21 +135,22 @@ def _forward_splits(config: AttentionConfig, arch: str, q, sk: int, hkv: int, dv
 
 
 def _paged_operands(config: AttentionConfig, arch: str, q, k, v, masks):
-    """(masks without the page table, page table or None, page size or 0, logical
-    key count) of a forward call. A paged call's kernel reads the pages in place
-    (Note [Paged KV] in kernels/sm90_fwd.py) where its key blocks and the page size
-    tile each other; else the table is None and the caller gathers the pages."""
+    """(k, v, the other operands, page table or None, page size or 0, key count) of
+    a forward call. A paged call's kernel reads the pools in place (Note [Paged KV]
+    in kernels/sm90_fwd.py) where its key blocks and the page size tile each other;
+    else the pages are gathered into contiguous K / V here (one XLA gather each)."""
     if not config.paged:
-        return masks, None, 0, k.shape[1]
+        return k, v, masks, None, 0, k.shape[1]
     n = config.num_mask_operands
-    table, page_size = masks[n], k.shape[1]
-    sk = table.shape[1] * page_size
+    table, masks = masks[n], masks[:n] + masks[n + 1:]
+    page_size = k.shape[1]
     tile_n = fwd_tile_shape(arch, q.shape[-1], v.shape[-1], True)[1]
     # sm_100a reads pages of whole key blocks only (its boxes are MMA-partitioned).
     if page_size_error(page_size, tile_n) is not None or (
             arch == "sm_100a" and page_size % tile_n):
-        return masks, None, 0, sk
-    return masks[:n] + masks[n + 1:], table, page_size, sk
+        k, v = gather_pages(k, v, table)
+        return k, v, masks, None, 0, k.shape[1]
+    return k, v, masks, table, page_size, table.shape[1] * page_size
 
 
 def combine_splits(out, lse, splits: int, sinks=None, dtype=None):
@@ -192,10 +193,7 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
         packed, (q, k, v), ids = _packed_rows(p, config, q, k, v)
         out, lse = forward(q, k, v, *ids, config=packed, arch=arch)
         return out.reshape(b, sq, hq, dv), _stat_rows(p, lse, packed=False)
-    masks, table, page_size, sk = _paged_operands(config, arch, q, k, v, masks)
-    if table is None and config.paged:  # pages the kernels cannot read in place
-        k, v = gather_pages(k, v, masks[config.num_mask_operands])
-        masks = masks[:config.num_mask_operands] + masks[config.num_mask_operands + 1:]
+    k, v, masks, table, page_size, sk = _paged_operands(config, arch, q, k, v, masks)
     masked, splits = _forward_splits(config, arch, q, sk, k.shape[2], dv)
     plan = fwd_plan(arch, dtype_name(q.dtype), q.shape[-1], dv, bool(config.causal),
                     float(config.scale), masked, config.segments, config.sinks,
