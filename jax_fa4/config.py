@@ -26,8 +26,12 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = {
     "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
-    "sm_100a": ((64, 64), (96, 96), (128, 128)),
+    "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128)),
 }
+
+# Head dims whose forward has a kernel and backward none, per arch: their backward
+# runs the reference path (logged; implementation="cute" raises).
+FORWARD_ONLY_HEAD_DIMS = {"sm_100a": ((192, 128),)}
 
 # Environment override of the kernel architecture, for lowering on a machine
 # without a GPU (CI cross-compiles) or to force one target: "sm_90a" / "sm_100a".
@@ -195,6 +199,15 @@ DETERMINISTIC_BWD_HEAD_DIMS = {
     # Compiled, not run on hardware: no Blackwell GPU has been available.
     "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
+
+
+def bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:
+    """Why no backward kernel of ``arch`` takes these head dims (its forward does),
+    or None."""
+    if (head_dim, head_dim_v) in FORWARD_ONLY_HEAD_DIMS.get(arch, ()):
+        return (f"no {arch} backward kernel for head dims ({head_dim}, {head_dim_v}) "
+                "(the forward has one)")
+    return None
 
 
 def deterministic_bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:

@@ -26,7 +26,7 @@ CALL = "CuteDSLRT_NvJaxCutlassCall"
 @pytest.mark.parametrize("arch,d,dv,ok", [
     ("sm_90a", 96, 96, True), ("sm_90a", 192, 192, True), ("sm_90a", 192, 128, True),
     ("sm_90a", 160, 160, False), ("sm_90a", 128, 64, False), ("sm_100a", 96, 96, True),
-    ("sm_100a", 192, 128, False)])
+    ("sm_100a", 192, 128, True), ("sm_100a", 192, 192, False)])
 def test_head_dim_tables(arch, d, dv, ok):
     err = kernel_support_error(arch, jnp.bfloat16, d, dv)
     assert (err is None) == ok
@@ -41,6 +41,43 @@ def _structs(d, dv, hq=4, hkv=2):
     sds = jax.ShapeDtypeStruct
     return (sds((2, 200, hq, d), jnp.bfloat16), sds((2, 333, hkv, d), jnp.bfloat16),
             sds((2, 333, hkv, dv), jnp.bfloat16))
+
+
+def test_sm100_deepseek_dims_run_the_forward_kernel_and_the_reference_backward(
+        monkeypatch, caplog):
+    """sm_100a (compiled, not run on hardware) has a (192, 128) forward kernel, plain
+    and masked (split keys too), and no backward kernel: the backward runs the
+    reference path, logged, and implementation="cute" raises there."""
+    import logging
+
+    from jax_fa4.rules import primitives
+    from jax_fa4.rules.primitives import KernelUnavailableError
+
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
+    primitives._logged.clear()
+    for kw in (dict(causal=True), dict(window=(64, 0))):
+        text = _lower(lambda q, k, v, kw=kw: jax_fa4.attention(
+            q, k, v, implementation="cute", **kw), *_structs(192, 128))
+        assert text.count(CALL) == 1, kw
+    sds = jax.ShapeDtypeStruct
+    decode = (sds((2, 1, 8, 192), jnp.bfloat16), sds((2, 5000, 2, 192), jnp.bfloat16),
+              sds((2, 5000, 2, 128), jnp.bfloat16))
+    text = _lower(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"), *decode)
+    assert text.count(CALL) == 1
+
+    def loss(q, k, v, implementation=None):
+        return jax_fa4.attention(q, k, v, causal=True, implementation=implementation).astype(
+            jnp.float32).sum()
+
+    with caplog.at_level(logging.WARNING, logger="jax_fa4"):
+        text = _lower(jax.grad(loss, argnums=(0, 1, 2)), *_structs(192, 128))
+    assert text.count(CALL) == 1  # the forward; the backward is the reference
+    assert any("no sm_100a backward kernel for head dims (192, 128)" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(KernelUnavailableError, match="backward kernel"):
+        _lower(jax.grad(lambda q, k, v: loss(q, k, v, "cute"), argnums=(0, 1, 2)),
+               *_structs(192, 128))
 
 
 def test_hdim_96_runs_every_kernel(monkeypatch):

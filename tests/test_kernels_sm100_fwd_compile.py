@@ -263,3 +263,34 @@ def test_host_model_rescales_when_max_moves(sm100):
     assert rescales > 0
     assert np.max(np.abs(out - ref_out)) < 2e-2
     assert np.max(np.abs(lse - ref_lse)) < 1e-3
+
+
+def test_deepseek_dims_forward(sm100, tmp_path):
+    """(192, 128): V tiles take K-sized slots of the ring, and each V load expects its
+    own 32 KiB (K and Q tiles 48 KiB); 2 ring stages; the MMA warp's 80 registers
+    (with Q's descriptors rebuilt per block, Note [Descriptors per block]) and
+    the softmax warps' 176 share the 64K, and the build keeps its local memory
+    near the hdim-128 build's. Compiled, not run on hardware."""
+    from kernel_compile import dump_options, read_dump
+
+    t = sm100[1].fwd_tiles(192, 128, True)
+    assert (t.kv_stages, t.softmax_regs, t.correction_regs, t.other_regs) == (2, 176, 80, 80)
+    assert 2 * t.softmax_regs + t.correction_regs + t.other_regs == 512
+    sds = jax.ShapeDtypeStruct
+    b, sq, sk, hq, hkv = 2, 300, 700, 4, 2
+    ins = (sds((b, sq, hq, 192), jnp.bfloat16), sds((b, sk, hkv, 192), jnp.bfloat16),
+           sds((b, sk, hkv, 128), jnp.bfloat16))
+    outs = (sds((b, sq, hq, 128), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
+    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, 192, 128, True), "sm_100a", ins, outs,
+          compile_options=dump_options(tmp_path))
+    ptx = read_dump(tmp_path, "ptx")
+    # The byte counts the mbarrier arrivals expect: registers set from immediates.
+    expected = {re.escape(r) for r in re.findall(
+        r"expect_tx\.shared\.b64 [^,]+, \[[^\]]+\], (%r\d+);", ptx)}
+    tx = {int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)
+          if re.escape(r) in expected}
+    assert tx == {32768, 49152}, tx
+    sass = read_dump(tmp_path, "sass")
+    if sass is None:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 45

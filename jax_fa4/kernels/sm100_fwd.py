@@ -65,9 +65,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, cute, pipeline
-from cutlass._mlir.dialects import nvvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_fa4.config import LN_2, LOG2_E
@@ -146,29 +146,34 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2
     once O_i's last P V has completed, which is when its O is normalised) and
     the K/V ring: stages = (227 KB - 4 KB reserve - Q) / tile bytes, which gives
     4 at head dim 128 and 11 at head dim 64 (FA4, which keeps a separate O
-    buffer, uses 3 and 10).
+    buffer, uses 3 and 10), and 2 at DeepSeek's (192, 128), whose V tiles take K
+    tiles' slots; tensor memory then holds S0, S1, O0 and O1 in 128 columns each.
     Registers: 512 threads x 128 = 64K; softmax 2 x 128 x 192 + correction
     128 x 80 + the rest 128 x 48 = 64K (FA4's split).
     Software exp2: 4 of every 32 elements (12.5%) at head dim 128, 8 (25%) at
     head dim 64, where the MUFU unit limits the softmax most (FA4 uses 12.5%
     to 25%). Not tuned on hardware (none available yet).
     """
-    if head_dim != head_dim_v:
-        raise ValueError(f"sm100 forward needs D == Dv, got {head_dim} and {head_dim_v}")
-    if head_dim not in (64, 96, 128):
-        raise ValueError(f"sm100 forward supports head dims 64, 96 and 128, got {head_dim}")
+    if (head_dim, head_dim_v) not in ((64, 64), (96, 96), (128, 128), (192, 128)):
+        raise ValueError(f"sm100 forward supports head dims 64, 96, 128 and (192, 128), got "
+                         f"{head_dim}, {head_dim_v}")
     del causal  # same tiles for causal and not (not measured yet)
     tile_m = tile_n = 128
     q_bytes = 2 * tile_m * head_dim * dtype_bytes
+    # The ring's slots hold a K tile; V's (Dv <= D) takes one too.
     kv_tile_bytes = tile_n * head_dim * dtype_bytes
     stages = (_SMEM_CAPACITY - _SMEM_RESERVE - q_bytes) // kv_tile_bytes
+    # (192, 128): the MMA warp issues 12 k-steps of Q K^T per tile and gets 80
+    # registers, the softmax warps 176 (Note [Descriptors per block]); with 48 it
+    # used local memory for its descriptors.
+    wide = head_dim > 128
     return Sm100FwdTiles(
         tile_m=tile_m,
         tile_n=tile_n,
         kv_stages=stages,
-        softmax_regs=192,
+        softmax_regs=176 if wide else 192,
         correction_regs=80,
-        other_regs=48,
+        other_regs=80 if wide else 48,
         sw_exp2_per_32=4 if head_dim >= 128 else 8,
         rescale_threshold=RESCALE_THRESHOLD,
     )
@@ -193,6 +198,35 @@ def kv_block_schedule(m_block, seqlen_k, causal: bool, rows_per_cta: int, tile_n
 
 
 
+
+
+# Note [Descriptors per block]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Q's SMEM descriptors do not change over the key blocks, so the compiler builds
+# them once before the MMA warp's loop and keeps them: 2 tiles x D / 16 k-steps of
+# 64 bits, 48 registers at D = 192, more than the warp's budget (it spilled 203
+# local-memory instructions). Indexing the Q tile by a value the compiler takes to
+# depend on the block (``_per_block``) has them rebuilt in each block, a few
+# integer adds per MMA. flash-attn-4 builds its descriptors by increments in
+# inline PTX for the same reason.
+
+
+@dsl_user_op
+def _per_block(value: int, block: Int32, *, loc=None, ip=None) -> Int32:
+    """``value`` as a run-time integer that the compiler takes to depend on
+    ``block``: what is built from it is rebuilt in each loop iteration instead of
+    held in registers across the loop (Note [Descriptors per block])."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(block).ir_value(loc=loc, ip=ip)],
+            f"mov.b32 $0, {int(value)};",
+            "=r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 def _advanced(state):
@@ -340,11 +374,17 @@ class FlashFwdSm100(FwdCall):
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, pv_tiler, self.dtype, stages)
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, pv_tiler, self.dtype, 1)
         sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv), 2)
-        # K and V share the ring: same tile size (D == Dv) and so the same stage stride.
+        # K and V share the ring in slots of K's size (Dv <= D): V's stages take K's
+        # stride, and a V load expects its own bytes (``_tma_load``).
         k_tile = cute.cosize(cute.select(sK_layout, mode=[0, 1, 2]))
         v_tile = cute.cosize(cute.select(sV_layout, mode=[0, 1, 2]))
-        if cutlass.const_expr(k_tile != v_tile):
-            raise ValueError("K and V tiles must have the same size to share the ring")
+        if cutlass.const_expr(v_tile > k_tile):
+            raise ValueError("V tiles must fit in the K slots of the ring (Dv <= D)")
+        if cutlass.const_expr(v_tile < k_tile):
+            outer = sV_layout.outer
+            sV_layout = cute.make_composed_layout(
+                sV_layout.inner, 0,
+                cute.make_layout(outer.shape, stride=(*outer.stride[:3], k_tile)))
         if cutlass.const_expr(cute.cosize(sO_layout) > cute.cosize(sQ_layout)):
             raise ValueError("O must fit in the Q buffer it reuses")
 
@@ -370,6 +410,7 @@ class FlashFwdSm100(FwdCall):
                 (tm, dv))
         self.tx_bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.tx_bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
 
         @cute.struct
         class SharedStorage:
@@ -629,10 +670,11 @@ class FlashFwdSm100(FwdCall):
             )
             kv_state = self._tma_load(
                 pipe_kv, tma_atom_V, self._kv_tile(tVgV, pages, n_last - t + 1, 1), tVsV,
-                kv_state
+                kv_state, self.tx_bytes_v
             )
         kv_state = self._tma_load(pipe_kv, tma_atom_V,
-                                  self._kv_tile(tVgV, pages, n_end - n_blocks, 1), tVsV, kv_state)
+                                  self._kv_tile(tVgV, pages, n_end - n_blocks, 1), tVsV, kv_state,
+                                  self.tx_bytes_v)
 
     def _kv_tile(self, tXgX, pages: tuple, n, which: int):
         """Key block n's K (which 0) or V (1) tile in global memory: of the contiguous
@@ -664,12 +706,18 @@ class FlashFwdSm100(FwdCall):
         src: cute.Tensor,  # (TMA,) one tile in global memory
         dst: cute.Tensor,  # (TMA, stages) SMEM
         state: pipeline.PipelineState,
+        tx_bytes: int | None = None,
     ) -> pipeline.PipelineState:
         """Acquire a slot, start the TMA into it; return the advanced state.
+        tx_bytes: the bytes it brings where they are not the pipeline's own (V
+        tiles smaller than the K tiles whose slots they take).
 
         Loops reassign the returned state so the DSL carries it through them.
         """
-        pipe.producer_acquire(state)
+        if cutlass.const_expr(tx_bytes is not None and tx_bytes != self.tx_bytes_kv):
+            pipe.producer_acquire(state, expected_tx=tx_bytes)
+        else:
+            pipe.producer_acquire(state)
         bar = pipe.producer_get_barrier(state)
         cute.copy(atom, src, dst[None, state.index], tma_bar_ptr=bar)
         return _advanced(state)
@@ -743,10 +791,13 @@ class FlashFwdSm100(FwdCall):
                     t - 1,
                     t > 1,
                 )
+                q_tile = tile
+                if cutlass.const_expr(self.head_dim > 128):
+                    q_tile = _per_block(tile, t)  # Note [Descriptors per block]
                 self._issue_qk(
                     tiled_mma_qk,
                     tStS[tile],
-                    tSrQ[None, None, None, tile],
+                    tSrQ[None, None, None, q_tile],
                     tSrK[None, None, None, k_state.index],
                     mbar + _S_FULL + tile,
                 )
