@@ -11,8 +11,8 @@ and value per sequence and attends to the sequence's cache up to its length. The
 example checks the cached generation against recomputing the whole sequence
 without a cache at every step.
 
-On an H100/H200 the attention runs the CuTe DSL kernels (the pages are gathered
-for the masked forward kernel); anywhere else the reference path (logged once).
+On an H100/H200 the attention runs the CuTe DSL kernels (the masked forward reads
+the pages in place); anywhere else the reference path (logged once).
 
     python examples/generate.py [--steps 150] [--new 12]
 """

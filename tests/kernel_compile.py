@@ -206,7 +206,8 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     the key (query) intervals after its other operands, and with ``segments`` the
     ids, as the FFI layer calls it (rules/kernels_cuda.py). ``deterministic`` (a
     backward): the deterministic kernel, which also takes the semaphores after
-    mdQaccum (aliased to a fourth output) and the key blocks' walks last.
+    mdQaccum (aliased to a fourth output). A backward that ``takes_walks`` (the
+    deterministic ones, sm_90a's up to hdim 128) takes the key blocks' walks last.
     ``splits`` > 1 (a forward): the split-keys kernel, whose O and LSE are float32
     partials with B x splits batches. ``page_size`` (a forward): K and V are pools of
     pages of that many keys (Sk of them, so one page per key of the shape), and the
@@ -269,6 +270,6 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
         ins = ins + (sds((b, sk, 2), jnp.int32),)
     if segments:
         ins = ins + (sds((b, sq), jnp.int32), sds((b, sk), jnp.int32))
-    if deterministic:
-        ins = ins + (sds((b, -(-sk // make().tile_n), 2), jnp.int32),)
+    if direction == "bwd" and make().takes_walks:
+        ins = ins + (sds((b, -(-sk // make().tile_n), 5), jnp.int32),)
     return lower(make, arch, ins, outs, aliases, compile_options)

@@ -73,7 +73,7 @@ def test_deterministic_masks_lower_to_the_kernel(monkeypatch, kernel_calls, arch
     """deterministic=True with masks: four custom calls, the main one the masked
     deterministic kernel (kind "bwd_det"), which takes after mdQaccum one semaphore
     per query block of its masked tiles, then the intervals, the segment ids, and
-    last each key block's walk (B, ceil(Sk / tile_n), 2). sm_100a: compiled, not
+    last each key block's walk (B, ceil(Sk / tile_n), 5). sm_100a: compiled, not
     run on hardware."""
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
     from jax_fa4.rules.plan import bwd_plan
@@ -94,9 +94,11 @@ def test_deterministic_masks_lower_to_the_kernel(monkeypatch, kernel_calls, arch
         assert tile_m == bwd_tiles(d, False, masked=True).tile_m
     i32 = jnp.dtype(jnp.int32)
     assert inputs[7:] == [((B, HQ, -(-SQ // tile_m)), i32), ((B, SK, 2), i32),
-                          ((B, SQ), i32), ((B, SK), i32), ((B, -(-SK // tile_n), 2), i32)]
+                          ((B, SQ), i32), ((B, SK), i32), ((B, -(-SK // tile_n), 5), i32)]
     assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, True, True).walk_tiles is None
-    assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, False, True, True).walk_tiles is None
+    # The default masked kernel takes its walks on sm_90a (Note [Block walks]) only.
+    walks = bwd_plan(arch, "bfloat16", d, d, False, 0.1, False, True, True).walk_tiles
+    assert walks == ((tile_n, tile_m) if arch == "sm_90a" else None)
 
 
 def test_deterministic_masks_at_hdim_256_take_the_logged_reference_backward(monkeypatch,

@@ -184,28 +184,55 @@ WALK_CASES = [ALL[n] for n in ALL] + [_random_masks(s) for s in range(24)]
 WALK_TILES = [(1, 3), (4, 8), (7, 5), (64, 16)]
 
 
-def _walks(kw, tile_n, tile_m):
+def _walks(kw, tile_n, tile_m, part=64):
     config, masks, vis = _setup(kw)
     ranges = key_ranges(config, SQ, SK, masks, B)
-    return np.asarray(ranges), np.asarray(key_block_ranges(ranges, tile_n, tile_m)), vis
+    return (np.asarray(ranges), np.asarray(key_block_ranges(ranges, tile_n, tile_m, part)),
+            vis)
 
 
 @pytest.mark.parametrize("tile_n,tile_m", WALK_TILES)
 @pytest.mark.parametrize("case", range(len(WALK_CASES)))
 def test_key_block_walks_are_the_kernels_reduction(case, tile_n, tile_m):
-    """``key_block_ranges`` (XLA) is ``block_ranges``'s [first, end) of the key
-    intervals (the kernels' ``BlockRange``), with (0, 0) where a block sees no
-    query, and every visible (query, key) pair lies in its key block's walk."""
+    """``key_block_ranges`` (XLA) is ``block_ranges``'s reduction of the key
+    intervals (the kernels' ``BlockRange``): [first, end), (0, 0) where a block sees
+    no query, and every visible (query, key) pair lies in its key block's walk;
+    [full_first, full_end), whose query blocks see every key of the block."""
     ranges, walks, vis = _walks(WALK_CASES[case], tile_n, tile_m)
-    assert walks.shape == (B, -(-SK // tile_n), 2) and walks.dtype == np.int32
+    assert walks.shape == (B, -(-SK // tile_n), 5) and walks.dtype == np.int32
     for b in range(B):
-        want = [(first, end) if end > first else (0, 0)
-                for first, end, *_ in block_ranges(ranges[b], tile_n, tile_m, False)]
-        assert [tuple(w) for w in walks[b]] == want, b
+        want = [((first, end) if end > first else (0, 0)) + (full_first, full_end)
+                for first, end, full_first, full_end, _ in
+                block_ranges(ranges[b], tile_n, tile_m, False)]
+        assert [tuple(w[:4]) for w in walks[b]] == want, b
     for b in range(B):
         queries, keys = np.nonzero(vis[b])
         first, end = walks[b, keys // tile_n, 0], walks[b, keys // tile_n, 1]
         assert np.all((first <= queries // tile_m) & (queries // tile_m < end)), b
+
+
+@pytest.mark.parametrize("tile_n,tile_m,part", [(4, 8, 2), (8, 4, 4), (7, 5, 3), (64, 16, 64)])
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+def test_key_block_peel_bits_mark_parts_that_see_nothing(case, tile_n, tile_m, part):
+    """Bit p of a walk's fifth value says that keys [p part, (p + 1) part) of the
+    block see no query of its first query block (Note [Masked warpgroup]): where it
+    is set no such pair is visible, and where it is clear and the intervals are
+    exact, one is."""
+    ranges, walks, vis = _walks(WALK_CASES[case], tile_n, tile_m, part)
+    exact = decode(ranges)[2]
+    for b in range(B):
+        for n, (first, end, _, _, bits) in enumerate(walks[b]):
+            if end <= first:
+                assert bits == 0
+                continue
+            rows = vis[b, first * tile_m:(first + 1) * tile_m]
+            for p in range(-(-tile_n // part)):
+                keys = slice(n * tile_n + p * part, min((n + 1) * tile_n, n * tile_n + (p + 1) * part))
+                seen = rows[:, keys].any()
+                if bits >> p & 1:
+                    assert not seen, (b, n, p)
+                elif exact[b, keys].all() and keys.start < SK:
+                    assert seen, (b, n, p)
 
 
 def _lane_rank(walks, n_block: int, m_block: int) -> int:
@@ -217,7 +244,7 @@ def _lane_rank(walks, n_block: int, m_block: int) -> int:
     for k in range((num_n - 1 - n_block + 31) // 32):
         for lane in range(32):
             n = n_block + 1 + k * 32 + lane
-            first, end = walks[min(n, num_n - 1)]
+            first, end = walks[min(n, num_n - 1)][:2]
             count[lane] += int(n < num_n and first <= m_block < end)
     return sum(count)
 
@@ -248,7 +275,8 @@ def _run_protocol(walks, group: int, slots: int):
     (head, query block); raises if the CTAs deadlock."""
     num_n = len(walks)
     launch = [det_key_block(x, num_n, True) for x in range(num_n)]
-    items = {n: [(h, m) for h in range(group) for m in range(*walks[n])] for n in range(num_n)}
+    items = {n: [(h, m) for h in range(group) for m in range(*walks[n][:2])]
+             for n in range(num_n)}
     sem, adds, step = {}, {}, dict.fromkeys(range(num_n), 0)
     waiting, resident = list(launch), []
     while waiting or resident:

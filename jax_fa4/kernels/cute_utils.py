@@ -399,12 +399,18 @@ class BwdMainCall:
     query block; a ``masked`` one each key's query interval, (B, Sk, 2) int32
     (rules/ranges.py), passed to ``launch`` as mRanges after mdQsem (None if none);
     one with ``segments`` the query and key segment ids, (B, Sq) and (B, Sk); one
-    both deterministic and masked each key block's walk, (B, ceil(Sk / tile_n), 2)
+    masked that ``takes_walks`` each key block's walk, (B, ceil(Sk / tile_n), 5)
     int32 (``key_block_ranges``), passed after them as mWalks."""
 
     takes_dq_semaphores = False
     masked = False
     segments = False
+
+    @property
+    def takes_walks(self) -> bool:
+        """Whether a masked call takes the key blocks' walks: the deterministic
+        kernels rank their dQ adds by them."""
+        return self.takes_dq_semaphores
 
     @cute.jit
     def __call__(
@@ -424,7 +430,7 @@ class BwdMainCall:
         if const_expr(self.takes_dq_semaphores):
             mdQsem = _pop_int32(rest, "the dQ semaphores")
         masks = _pop_mask_operands(self, rest)
-        if const_expr(self.takes_dq_semaphores and self.masked):
+        if const_expr(self.masked and self.takes_walks):
             masks = masks + (_pop_int32(rest, "the key blocks' walks"),)
         mdK, mdV = rest
         if const_expr(self.takes_dq_semaphores):
@@ -481,8 +487,8 @@ def masked_add_rank(mWalks: cute.Tensor, batch, n_block, m_block) -> Int32:
     """Called by a whole warp (every lane gets the result): the rank of key block
     ``n_block``'s dQ add in query block ``m_block``'s sum under masks, the number
     of key blocks above it whose walk holds m_block (Note [Masked dQ order] in
-    dq_layout.py; ``det_masked_add_rank`` on the host). mWalks: (B, num_n, 2) int32,
-    ``[first, end)`` per key block. Lane l tests blocks n_block + 1 + l + 32 k, and
+    dq_layout.py; ``det_masked_add_rank`` on the host). mWalks: (B, num_n, 5) int32,
+    ``[first, end)`` per key block first (``key_block_ranges``). Lane l tests blocks n_block + 1 + l + 32 k, and
     one warp reduction (redux.sync) sums the lanes' counts."""
     lane = cute.arch.lane_idx()
     num_n = mWalks.shape[1]

@@ -384,7 +384,7 @@ class FlashBwdSm100(BwdMainCall):
         mRanges: cute.Tensor | None,  # (B, Sk, 2) int32 query intervals (masked only)
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
-        mWalks: cute.Tensor | None,  # (B, num_n, 2) int32 key-block walks (masked
+        mWalks: cute.Tensor | None,  # (B, num_n, 5) int32 key-block walks (masked
         # deterministic only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,

@@ -46,7 +46,10 @@ LSElog2 and Dpsum per column from shared memory (staged by the load warp;
 Note [Masked warpgroup]: causal at hdim 128 (64-row query tiles, 128-key blocks),
 the first query block of a key block's walk lies on the diagonal, and warpgroup 1's
 64 keys all come after its last query (likewise a last key block of at most 64
-keys past seqlen_k): P^T = dS^T = 0 there. With ``BwdTiles.skip_masked_wg`` that
+keys past seqlen_k): P^T = dS^T = 0 there. Under masks (key intervals) the same
+holds on the diagonal blocks of causal rows, windows and documents; the walk says
+which warpgroup it masks (Note [Block walks] in rules/ranges.py). With
+``BwdTiles.skip_masked_wg`` that
 item is peeled off the loop (``masked_first_item``): the masked warpgroup stores
 zeros as its half of dS^T, meets the other at the dS barrier, runs only its dQ
 GEMM and hand-off, and starts the loop at item 1. That saves 4 of the item's 10
@@ -167,11 +170,11 @@ _TILE_TABLE = {
 }
 
 
-# Key intervals (rules/ranges.py): the causal rows without what assumes the causal
-# triangle (the LPT order, the masked warpgroup's peel).
+# Key intervals (rules/ranges.py): the causal rows without the LPT order, which
+# assumes the causal triangle; the masked warpgroup's peel reads the walk's bits.
 _MASKED_TILES = {
     64: BwdTiles(tile_m=128, stats="rows", dv_done_before_dk=True),
-    128: BwdTiles(tile_m=64, stats="by_thread"),
+    128: BwdTiles(tile_m=64, stats="by_thread", skip_masked_wg=True, carry_coords=True),
 }
 
 
@@ -273,6 +276,9 @@ class FlashBwdSm90(Sm90BwdCommon):
     # Every query block's dQ partials are added in a fixed key-block order
     # (FlashBwdSm90Deterministic).
     deterministic = False
+    # Masked, the key blocks' walks come from the lowering (Note [Block walks] in
+    # rules/ranges.py).
+    takes_walks = True
 
     @property
     def tiles(self) -> BwdTiles:
@@ -307,11 +313,15 @@ class FlashBwdSm90(Sm90BwdCommon):
         # (d x tile_n) MN-major.
         return mma_sdp, mma_dk, mma_dv, dq_tiled_mma(self.dtype, tm, d, wg)
 
-    def wg_all_masked(self, m_block, n_block, wg_idx, key_limit):
+    def wg_all_masked(self, m_block, n_block, wg_idx, key_limit, peel):
         """Note [Masked warpgroup]: whether every key of MMA warpgroup ``wg_idx``'s
         64 (rows 64 wg_idx.. of S^T in key block ``n_block``) is masked for every
-        query of ``m_block``: at or past seqlen_k (``key_limit`` keys of the block
-        are valid) or, causal, after the block's last query."""
+        query of ``m_block``, the walk's first: at or past seqlen_k (``key_limit``
+        keys of the block are valid) or, causal, after the block's last query;
+        ``masked``, bit wg_idx of the walk's ``peel`` (Note [Block walks] in
+        rules/ranges.py)."""
+        if const_expr(self.masked):
+            return ((peel >> wg_idx) & 1) != 0
         first = 64 * wg_idx
         masked = key_limit <= first
         if const_expr(self.causal):
@@ -547,10 +557,11 @@ class FlashBwdSm90(Sm90BwdCommon):
         if const_expr(self.tiles.skip_masked_wg):
             # Note [Masked warpgroup]: the walk's first item, peeled off the loop
             # for the warpgroup whose keys it masks entirely.
+            peel = cta.full[2] if self.masked else Int32(0)
             it0 = self.masked_first_item(
                 state, pipe_qdo, copy_ds, thr_copy_ds, tdKrdS, tdSsdS, ds_bar, mma_dq,
                 thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off, dq_threads, wg_idx,
-                n_block, head_kv, m_block_min, num_m, num_iters, key_limit)
+                n_block, head_kv, m_block_min, num_m, num_iters, key_limit, peel)
             state = pipeline.PipelineState(self.stages_qdo, it0, it0, Int32(0))
         # BwdTiles.carry_coords: item it's query block is m_block_min + m_rel, m_rel
         # carried from item to item (no division by num_m in the walk).
@@ -652,7 +663,7 @@ class FlashBwdSm90(Sm90BwdCommon):
     def masked_first_item(self, state, pipe_qdo, copy_ds, thr_copy_ds, tdKrdS, tdSsdS, ds_bar,
                           mma_dq, thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off,
                           dq_threads, wg_idx, n_block, head_kv, m_block_min, num_m, num_iters,
-                          key_limit):
+                          key_limit, peel):
         """MMA warpgroup, ``BwdTiles.skip_masked_wg`` (Note [Masked warpgroup]): if
         this warpgroup's keys are all masked for the walk's first query block, its
         part of that item without the S^T, dP^T, dV and dK GEMMs: zeros as its half
@@ -661,7 +672,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         skip = cutlass.Boolean(False)
         if num_iters > 0:
             _, m_block = self.work_item(0, head_kv, 0, m_block_min, num_m)
-            skip = self.wg_all_masked(m_block, n_block, wg_idx, key_limit)
+            skip = self.wg_all_masked(m_block, n_block, wg_idx, key_limit, peel)
         if skip:
             pipe_qdo.consumer_wait(state)
             tdKrdS.fill(0.0)

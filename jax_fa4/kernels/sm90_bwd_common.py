@@ -62,10 +62,11 @@ class Cta:
     coords: tuple  # (key block, kv head, batch entry)
     work: tuple  # ``work_list``: (GQA group, first query block, query blocks, items)
     masks: tuple  # masked: (query intervals, query and key segment ids or None)
-    # deterministic and masked: the key blocks' walks (B, num_n, 2), else None.
+    # masked, where the kernel takes them: the key blocks' walks (B, num_n, 5), else
+    # None.
     walks: object
-    # masked: (first full query block, end of the full ones) of the key block
-    # (``BlockRange``), else None.
+    # masked: (first full query block, end of the full ones, the warpgroups' peel
+    # bits) of the key block (``work_list``), else None.
     full: tuple | None
     seqlen_k: object
     storage: object  # the SharedStorage
@@ -269,8 +270,8 @@ class Sm90BwdCommon(BwdMainCall):
         # Everything above only set up SMEM and barriers: no global memory yet.
         pdl_start(self.use_pdl)
         if const_expr(self.masked):
-            # Note [K and V first]: masked, the walk's bounds come from the keys'
-            # intervals, a global load and a reduction away; K and V go first, so
+            # Note [K and V first]: masked, the walk's bounds are a global load away
+            # (and, from the keys' intervals, a reduction); K and V go first, so
             # that their transfer hides that latency rather than follow it.
             if warp_idx == 0:
                 self.load_kv(coords, loads, tma_loads, smem, pipe_kv, True)
@@ -310,25 +311,27 @@ class Sm90BwdCommon(BwdMainCall):
         """((group, m_block_min, num_m, num_iters), full): every (query head of the
         group, query block) pair that can see at least one key of this block, as
         ``num_iters = num_m * group`` items, and with ``masked`` (first full query
-        block, end of the full ones) from the keys' intervals
-        (``BlockRange``), else None. All roles walk the same list, so they agree on
-        every barrier count. mQ, mK: (S, D, H, B) views. mWalks: the deterministic
-        masked kernel's walks, whose bounds it takes instead: its dQ ranks count
-        them (Note [Masked dQ order] in dq_layout.py)."""
+        block, end of the full ones, the warpgroups' peel bits) of the key block,
+        else None. All roles walk the same list, so they agree on every barrier
+        count. mQ, mK: (S, D, H, B) views. mWalks: the key blocks' walks
+        (Note [Block walks] in rules/ranges.py), else the walk is reduced here from
+        the keys' intervals (``BlockRange``; no peel)."""
         n_block, _, batch = coords
         group = mQ.shape[2] // mK.shape[2]
         m_block_max = cute.ceil_div(mQ.shape[0], self.tile_m)
         m_block_min = Int32(0)
         full = None
         if const_expr(self.masked):
-            blocks = BlockRange(mRanges, self.tile_n, self.tile_m, n_block, batch, mK.shape[0],
-                                at_least_one=False)
-            m_block_min, m_block_max = blocks.first, blocks.end
-            full = (blocks.full_first, blocks.full_end)
             if const_expr(mWalks is not None):
                 uniform = cute.arch.make_warp_uniform
-                m_block_min = uniform(mWalks[batch, n_block, 0])
-                m_block_max = uniform(mWalks[batch, n_block, 1])
+                walk = [uniform(mWalks[batch, n_block, i]) for i in range(5)]
+                m_block_min, m_block_max = walk[0], walk[1]
+                full = (walk[2], walk[3], walk[4])
+            else:
+                blocks = BlockRange(mRanges, self.tile_n, self.tile_m, n_block, batch,
+                                    mK.shape[0], at_least_one=False)
+                m_block_min, m_block_max = blocks.first, blocks.end
+                full = (blocks.full_first, blocks.full_end, Int32(0))
         elif const_expr(self.causal):
             # First query block holding a query >= this block's first key.
             m_block_min = cutlass.min(n_block * self.tile_n // self.tile_m, m_block_max)
@@ -437,7 +440,7 @@ class Sm90BwdCommon(BwdMainCall):
         (with segment ids also by ``bits``, its ``segment_bits`` of the item).
         """
         if const_expr(kmask is not None):
-            full_first, full_end = full
+            full_first, full_end = full[0], full[1]
             kmask.apply(S, tScS, m_block * self.tile_m,
                         BlockRange.masked_block(m_block, full_first, full_end), bits)
         else:

@@ -95,7 +95,7 @@ def _mask_operands(config: AttentionConfig, masks, q, k, *, keys: bool, walk_til
                    sk: int | None = None):
     """The masked kernels' operands after their others: each query's key interval
     (forward) or each key's query interval (backward), then with segment ids the
-    ids, then with ``walk_tiles`` (the deterministic backward: (keys, queries) per
+    ids, then with ``walk_tiles`` (a backward that takes them: (keys, queries) per
     block) each key block's walk over the query blocks (rules/ranges.py)."""
     m = mask_arrays(config, masks)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1] if sk is None else sk

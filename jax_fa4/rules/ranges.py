@@ -11,8 +11,8 @@ int32 intervals, ``[B, Sq, 2]`` (keys ``[lo, hi)`` of each query) and
 every causal mode, window, length vector and segment layout. A kernel reduces
 the intervals of a tile's rows to the blocks it visits (no fully masked block is
 loaded) and to those whose every element is visible (no element mask there);
-``block_ranges`` mirrors that reduction on the host for tests. The deterministic
-backward takes each key block's reduced range too (``key_block_ranges``).
+``block_ranges`` mirrors that reduction on the host for tests. The backward
+takes each key block's reduced range too (``key_block_ranges``).
 
 Note [Segment table]: segment ids are data, any int32 values. Each id's first
 and last position, and whether it is one run, come from a table of T slots (T a
@@ -36,6 +36,8 @@ Encoding (Note [Interval encoding]):
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -166,29 +168,58 @@ def key_ranges(config: AttentionConfig, sq: int, sk: int, masks: Masks, batch: i
     return _pack(lo, hi, exact, j < lk[:, None])
 
 
-def key_block_ranges(ranges: jax.Array, tile_n: int, tile_m: int) -> jax.Array:
-    """[B, ceil(Sk / tile_n), 2] int32: the query blocks ``[first, end)`` of ``tile_m``
-    rows that each block of ``tile_n`` keys visits, from ``key_ranges`` [B, Sk, 2] by
-    the kernels' reduction (kernels/mask.py: ``BlockRange``); ``(0, 0)`` for a block
-    that no query sees.
+def key_block_ranges(ranges: jax.Array, tile_n: int, tile_m: int, part: int = 64) -> jax.Array:
+    """[B, ceil(Sk / tile_n), 5] int32: each block of ``tile_n`` keys' walk over the
+    query blocks of ``tile_m`` rows, from ``key_ranges`` [B, Sk, 2] by the kernels'
+    reduction (kernels/mask.py: ``BlockRange``; ``block_ranges`` on the host):
 
-    The deterministic masked backward walks these bounds and ranks each dQ add by
-    them (Note [Masked dQ order] in kernels/dq_layout.py): every CTA must count
-    exactly the walks the others run, so they read one array rather than each
-    reducing the intervals of the other blocks itself."""
+    * ``[first, end)``, the query blocks the key block visits, ``(0, 0)`` for a block
+      that no query sees;
+    * ``[full_first, full_end)``, the query blocks that see every key of the block
+      (no element mask there);
+    * bit p set where keys ``[p part, (p + 1) part)`` of the block see no query of
+      block ``first`` (Note [Masked warpgroup] in kernels/sm90_bwd.py).
+
+    Note [Block walks]: the masked backward reads its walk here, one row of five
+    ints, instead of reducing its keys' intervals itself: a CTA's first Q / dO
+    loads wait on the walk's first block, and a reduction over 128 intervals (loads,
+    then shuffles) put microseconds before each CTA's loads; the XLA pass that makes
+    the intervals makes these too. The deterministic backward also ranks its dQ
+    adds by the walks (Note [Masked dQ order] in kernels/dq_layout.py): every CTA
+    must count exactly the walks the others run, so they read one array."""
     b, sk, _ = ranges.shape
     num_n = -(-sk // tile_n)
-    pad = ((0, 0), (0, num_n * tile_n - sk))
-    lo, hi = ranges[..., 0], ranges[..., 1]
-    hi = jnp.where(hi < 0, ~hi, hi)  # the end of a row that compares segment ids
-    # Empty intervals (EMPTY_LO, 0), and the padding keys, widen nothing.
-    lo = jnp.pad(lo, pad, constant_values=EMPTY_LO).reshape(b, num_n, tile_n)
-    hi = jnp.pad(hi, pad).reshape(b, num_n, tile_n)
-    first = lo.min(axis=-1) // tile_m
-    end = -(-hi.max(axis=-1) // tile_m)
+    parts = -(-tile_n // part)
+    lo, hi_raw = ranges[..., 0], ranges[..., 1]
+    hi = jnp.where(hi_raw < 0, ~hi_raw, hi_raw)  # the end of a row that compares ids
+    # A row that compares segment ids leaves no block free of the mask.
+    hi_full = jnp.where(hi_raw < 0, 0, hi)
+    # One variadic min-reduction over each part of each block (one XLA kernel; a
+    # reduction per statistic took one each): of lo, -hi, -lo and hi_full, with
+    # the padding keys neutral (empty intervals, (EMPTY_LO, 0), widen nothing).
+    def blocks(x, fill):
+        x = jnp.pad(x, ((0, 0), (0, num_n * tile_n - sk)), constant_values=fill)
+        return jnp.pad(x.reshape(b, num_n, tile_n), ((0, 0), (0, 0), (0, parts * part - tile_n)),
+                       constant_values=fill).reshape(b, num_n, parts, part)
+
+    fills = (EMPTY_LO, 0, 0, EMPTY_LO)
+    stats = jax.lax.reduce(
+        tuple(blocks(x, f) for x, f in zip((lo, -hi, -lo, hi_full), fills)),
+        tuple(jnp.int32(f) for f in fills),
+        lambda x, y: tuple(jnp.minimum(a, c) for a, c in zip(x, y)), (3,))  # 4 x [B, num_n, parts]
+    # The rest elementwise over the few parts (one more kernel).
+    lo_min, neg_hi_max, neg_lo_max, hi_min = (
+        functools.reduce(jnp.minimum, [x[..., p] for p in range(parts)]) for x in stats)
+    first = lo_min // tile_m
+    end = -(neg_hi_max // tile_m)  # ceil(max hi / tile_m)
+    full_first = -(neg_lo_max // tile_m)  # ceil(max lo / tile_m)
+    full_end = hi_min // tile_m
     empty = end <= first
-    return jnp.stack([jnp.where(empty, 0, first), jnp.where(empty, 0, end)],
-                     axis=-1).astype(jnp.int32)
+    bits = functools.reduce(jnp.bitwise_or, [
+        (stats[0][..., p] >= (first + 1) * tile_m).astype(jnp.int32) << p
+        for p in range(parts)])
+    return jnp.stack([jnp.where(empty, 0, first), jnp.where(empty, 0, end), full_first,
+                      full_end, jnp.where(empty, 0, bits)], axis=-1).astype(jnp.int32)
 
 
 def decode(ranges: np.ndarray):
