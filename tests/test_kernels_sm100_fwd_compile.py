@@ -294,3 +294,34 @@ def test_deepseek_dims_forward(sm100, tmp_path):
     if sass is None:
         pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
     assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 45
+
+
+def test_hdim_192_forward(sm100, tmp_path):
+    """Head dim 192 (Dv = 192): O0 and O1 take 384 of the 512 tensor-memory
+    columns, so S0 and S1 take 64 each: 64-key blocks, 5 ring stages of 24 KiB,
+    and each load expects its own bytes (K / V 24 KiB, Q 48 KiB); 512 columns
+    allocated. Compiled, not run on hardware."""
+    from kernel_compile import dump_options, read_dump
+
+    t = sm100[1].fwd_tiles(192, 192, True)
+    assert (t.tile_m, t.tile_n, t.kv_stages) == (128, 64, 5)
+    assert 2 * t.tile_n + 2 * 192 == 512
+    assert 2 * t.softmax_regs + t.correction_regs + t.other_regs == 512
+    sds = jax.ShapeDtypeStruct
+    b, sq, sk, hq, hkv = 2, 300, 700, 4, 2
+    ins = (sds((b, sq, hq, 192), jnp.bfloat16), sds((b, sk, hkv, 192), jnp.bfloat16),
+           sds((b, sk, hkv, 192), jnp.bfloat16))
+    outs = (sds((b, sq, hq, 192), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
+    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, 192, 192, True), "sm_100a", ins, outs,
+          compile_options=dump_options(tmp_path))
+    ptx = read_dump(tmp_path, "ptx")
+    expected = {re.escape(r) for r in re.findall(
+        r"expect_tx\.shared\.b64 [^,]+, \[[^\]]+\], (%r\d+);", ptx)}
+    tx = {int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)
+          if re.escape(r) in expected}
+    assert tx == {24576, 49152}, tx
+    assert re.search(r"tcgen05\.alloc\.cta_group::1", ptx)
+    sass = read_dump(tmp_path, "sass")
+    if sass is None:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 30

@@ -140,7 +140,7 @@ class Sm100FwdTiles:
 
 
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2) -> Sm100FwdTiles:
-    """The tile table: 2 x (128 x 128) tiles, KV stages from the SMEM budget.
+    """The tile table: 2 x (128 x tile_n) tiles, KV stages from the SMEM budget.
 
     SMEM holds the two Q tiles (O reuses them in the epilogue: a Q tile is dead
     once O_i's last P V has completed, which is when its O is normalised) and
@@ -148,22 +148,26 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2
     4 at head dim 128 and 11 at head dim 64 (FA4, which keeps a separate O
     buffer, uses 3 and 10), and 2 at DeepSeek's (192, 128), whose V tiles take K
     tiles' slots; tensor memory then holds S0, S1, O0 and O1 in 128 columns each.
+    Head dim 192 (Dv = 192): O0 and O1 take 384 of the 512 columns, so S0 and S1
+    get 64 each: 64-key blocks, 5 stages of them.
     Registers: 512 threads x 128 = 64K; softmax 2 x 128 x 192 + correction
     128 x 80 + the rest 128 x 48 = 64K (FA4's split).
     Software exp2: 4 of every 32 elements (12.5%) at head dim 128, 8 (25%) at
     head dim 64, where the MUFU unit limits the softmax most (FA4 uses 12.5%
     to 25%). Not tuned on hardware (none available yet).
     """
-    if (head_dim, head_dim_v) not in ((64, 64), (96, 96), (128, 128), (192, 128)):
-        raise ValueError(f"sm100 forward supports head dims 64, 96, 128 and (192, 128), got "
-                         f"{head_dim}, {head_dim_v}")
+    if (head_dim, head_dim_v) not in ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192)):
+        raise ValueError(f"sm100 forward supports head dims 64, 96, 128, 192 and (192, 128), "
+                         f"got {head_dim}, {head_dim_v}")
     del causal  # same tiles for causal and not (not measured yet)
-    tile_m = tile_n = 128
+    tile_m = 128
+    # S0 and S1 take the tensor memory that O0 and O1 leave.
+    tile_n = min(128, (_TMEM_COLS - 2 * head_dim_v) // 2)
     q_bytes = 2 * tile_m * head_dim * dtype_bytes
     # The ring's slots hold a K tile; V's (Dv <= D) takes one too.
     kv_tile_bytes = tile_n * head_dim * dtype_bytes
     stages = (_SMEM_CAPACITY - _SMEM_RESERVE - q_bytes) // kv_tile_bytes
-    # (192, 128): the MMA warp issues 12 k-steps of Q K^T per tile and gets 80
+    # Head dim 192: the MMA warp issues 12 k-steps of Q K^T per tile and gets 80
     # registers, the softmax warps 176 (Note [Descriptors per block]); with 48 it
     # used local memory for its descriptors.
     wide = head_dim > 128
@@ -256,7 +260,7 @@ class FlashFwdSm100(FwdCall):
     """Forward attention for sm_100a, one compiled binary per configuration.
 
     dtype: bfloat16 or float16 (cutlass type, numpy/jax dtype or name).
-    head_dim, head_dim_v: D and Dv (compile time; 64 or 128, D == Dv).
+    head_dim, head_dim_v: D and Dv (compile time; ``fwd_tiles``' pairs).
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
     tiles: override the tile table (``fwd_tiles``) for experiments.
@@ -272,7 +276,7 @@ class FlashFwdSm100(FwdCall):
     split_kv: with ``masked`` and no sinks, O and LSE are float32 partials, one per
         split of each tile's key blocks (Note [Split keys] in sm90_fwd.py).
     page_size: with ``masked``, K and V are page pools (pages, page_size, Hkv, D) of
-        whole 128-key blocks, and the call takes a page table after the mask
+        whole key blocks (``tile_n`` keys), and the call takes a page table after the mask
         operands (Note [Paged KV] in sm90_fwd.py; smaller pages are gathered by the
         lowering); 0: contiguous.
     """
@@ -306,8 +310,8 @@ class FlashFwdSm100(FwdCall):
         self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
-        if (self.tile_m, self.tile_n) != (128, 128):
-            raise ValueError("sm100 forward is written for 128 x 128 tiles")
+        if self.tile_m != 128 or self.tile_n not in (64, 128):
+            raise ValueError("sm100 forward is written for 128 x 128 and 128 x 64 tiles")
         set_forward_extras(self, sinks, softcap, pack_gqa, split_kv)
         set_page_size(self, page_size)
         if page_size and page_size % self.tile_n:
