@@ -26,12 +26,12 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 KERNEL_HEAD_DIMS = {
     "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
-    "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192)),
+    "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
 }
 
 # Head dims whose forward has a kernel and backward none, per arch: their backward
 # runs the reference path (logged; implementation="cute" raises).
-FORWARD_ONLY_HEAD_DIMS = {"sm_100a": ((192, 128), (192, 192))}
+FORWARD_ONLY_HEAD_DIMS = {"sm_100a": ((192, 128), (192, 192), (256, 256))}
 
 # Environment override of the kernel architecture, for lowering on a machine
 # without a GPU (CI cross-compiles) or to force one target: "sm_90a" / "sm_100a".

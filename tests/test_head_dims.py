@@ -1,7 +1,7 @@
 """Head dims beyond 64 / 128 / 256: 96 (forward and backward kernels on sm_90a, and
 on sm_100a compiled, not run on hardware) and 192, (192, 128) (sm_90a forward and
 backward kernels; sm_100a forward kernels, compiled, not run on hardware, whose
-backward runs the logged reference path).
+backward runs the logged reference path), and 256 on sm_100a (the same).
 On CPU: which kernels the lowering builds and what it logs or raises; on the GPU
 (``-m gpu``): the kernels against the f32 reference by the 2x rule, outputs
 poisoned, with GQA, odd lengths, masks and rows that see no key."""
@@ -27,7 +27,8 @@ CALL = "CuteDSLRT_NvJaxCutlassCall"
 @pytest.mark.parametrize("arch,d,dv,ok", [
     ("sm_90a", 96, 96, True), ("sm_90a", 192, 192, True), ("sm_90a", 192, 128, True),
     ("sm_90a", 160, 160, False), ("sm_90a", 128, 64, False), ("sm_100a", 96, 96, True),
-    ("sm_100a", 192, 128, True), ("sm_100a", 192, 192, True), ("sm_100a", 256, 256, False)])
+    ("sm_100a", 192, 128, True), ("sm_100a", 192, 192, True), ("sm_100a", 256, 256, True),
+    ("sm_100a", 160, 160, False)])
 def test_head_dim_tables(arch, d, dv, ok):
     err = kernel_support_error(arch, jnp.bfloat16, d, dv)
     assert (err is None) == ok
@@ -44,10 +45,10 @@ def _structs(d, dv, hq=4, hkv=2):
             sds((2, 333, hkv, dv), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("dv", [128, 192])
-def test_sm100_hdim_192_runs_the_forward_kernel_and_the_reference_backward(
-        monkeypatch, caplog, dv):
-    """sm_100a (compiled, not run on hardware) has (192, 128) and 192 forward
+@pytest.mark.parametrize("d,dv", [(192, 128), (192, 192), (256, 256)])
+def test_sm100_wide_head_dims_run_the_forward_kernel_and_the_reference_backward(
+        monkeypatch, caplog, d, dv):
+    """sm_100a (compiled, not run on hardware) has (192, 128), 192 and 256 forward
     kernels, plain and masked (split keys too), and no backward kernel: the
     backward runs the reference path, logged, and implementation="cute" raises
     there."""
@@ -61,10 +62,10 @@ def test_sm100_hdim_192_runs_the_forward_kernel_and_the_reference_backward(
     primitives._logged.clear()
     for kw in (dict(causal=True), dict(window=(64, 0))):
         text = _lower(lambda q, k, v, kw=kw: jax_fa4.attention(
-            q, k, v, implementation="cute", **kw), *_structs(192, dv))
+            q, k, v, implementation="cute", **kw), *_structs(d, dv))
         assert text.count(CALL) == 1, kw
     sds = jax.ShapeDtypeStruct
-    decode = (sds((2, 1, 8, 192), jnp.bfloat16), sds((2, 5000, 2, 192), jnp.bfloat16),
+    decode = (sds((2, 1, 8, d), jnp.bfloat16), sds((2, 5000, 2, d), jnp.bfloat16),
               sds((2, 5000, 2, dv), jnp.bfloat16))
     text = _lower(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"), *decode)
     assert text.count(CALL) == 1
@@ -74,13 +75,13 @@ def test_sm100_hdim_192_runs_the_forward_kernel_and_the_reference_backward(
             jnp.float32).sum()
 
     with caplog.at_level(logging.WARNING, logger="jax_fa4"):
-        text = _lower(jax.grad(loss, argnums=(0, 1, 2)), *_structs(192, dv))
+        text = _lower(jax.grad(loss, argnums=(0, 1, 2)), *_structs(d, dv))
     assert text.count(CALL) == 1  # the forward; the backward is the reference
-    assert any(f"no sm_100a backward kernel for head dims (192, {dv})" in r.getMessage()
+    assert any(f"no sm_100a backward kernel for head dims ({d}, {dv})" in r.getMessage()
                for r in caplog.records)
     with pytest.raises(KernelUnavailableError, match="backward kernel"):
         _lower(jax.grad(lambda q, k, v: loss(q, k, v, "cute"), argnums=(0, 1, 2)),
-               *_structs(192, dv))
+               *_structs(d, dv))
 
 
 def test_hdim_96_runs_every_kernel(monkeypatch):

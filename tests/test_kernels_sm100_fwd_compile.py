@@ -71,7 +71,7 @@ def test_tile_table(sm100):
     with pytest.raises(ValueError):
         fwd_tiles(128, 64, False)
     with pytest.raises(ValueError):
-        fwd_tiles(256, 256, False)
+        fwd_tiles(160, 160, False)
 
 
 def _count(pattern: str, text: str) -> int:
@@ -325,3 +325,33 @@ def test_hdim_192_forward(sm100, tmp_path):
     if sass is None:
         pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
     assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 30
+
+
+def test_hdim_256_forward_one_q_tile(sm100, tmp_path):
+    """Head dim 256 (Note [One Q tile]): one 128-row Q tile per CTA, S0 and O0 in
+    320 tensor-memory columns, 64-key blocks, 4 ring stages of 32 KiB beside Q's
+    64 KiB, each load expecting its own bytes; no local memory. Compiled, not run
+    on hardware."""
+    from kernel_compile import dump_options, read_dump
+
+    t = sm100[1].fwd_tiles(256, 256, False)
+    assert (t.q_tiles, t.tile_m, t.tile_n, t.kv_stages) == (1, 128, 64, 4)
+    assert t.q_tiles * (t.tile_n + 256) <= 512
+    assert sm100[1].fwd_tiles(128, 128, False).q_tiles == 2
+    sds = jax.ShapeDtypeStruct
+    b, sq, sk, hq, hkv = 2, 300, 700, 4, 2
+    ins = (sds((b, sq, hq, 256), jnp.bfloat16), sds((b, sk, hkv, 256), jnp.bfloat16),
+           sds((b, sk, hkv, 256), jnp.bfloat16))
+    outs = (sds((b, sq, hq, 256), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
+    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, 256, 256, True), "sm_100a", ins, outs,
+          compile_options=dump_options(tmp_path))
+    ptx = read_dump(tmp_path, "ptx")
+    expected = {re.escape(r) for r in re.findall(
+        r"expect_tx\.shared\.b64 [^,]+, \[[^\]]+\], (%r\d+);", ptx)}
+    tx = {int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)
+          if re.escape(r) in expected}
+    assert tx == {32768, 65536}, tx
+    sass = read_dump(tmp_path, "sass")
+    if sass is None:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 10

@@ -125,6 +125,21 @@ _P_CHUNK = 32  # S columns converted and stored to TMEM as P at a time
 _O_CHUNK = 32  # O columns per correction tcgen05.ld / st (32 registers in flight)
 
 
+# (D, Dv) pairs of the forward.
+SM100_FWD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+
+
+# Note [One Q tile]
+# ~~~~~~~~~~~~~~~~~~
+# Two Q tiles per CTA need S0, S1, O0 and O1 in the 512 tensor-memory columns:
+# 2 tile_n + 2 Dv. At Dv = 256 that leaves nothing for S, so the CTA takes one Q
+# tile of 128 rows (``q_tiles`` = 1): S0 and O0 only; the second softmax
+# warpgroup has no tile and leaves at once (no barrier counts it), and each CTA
+# covers 128 rows instead of 256. flash-attn-4 runs head dim 256 on two CTAs
+# instead (a 2-CTA MMA shares the B operand); one CTA keeps every other part of
+# this kernel as it is.
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm100FwdTiles:
     """Tuning knobs of the sm100 forward; see ``fwd_tiles``."""
@@ -137,39 +152,45 @@ class Sm100FwdTiles:
     other_regs: int
     sw_exp2_per_32: int  # of every 32 elements of a row, the last this many use exp2_poly_x2
     rescale_threshold: float  # Note [Lazy rescale], log2 units
+    q_tiles: int = 2  # Q tiles per CTA (Note [One Q tile])
 
 
 def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2) -> Sm100FwdTiles:
     """The tile table: 2 x (128 x tile_n) tiles, KV stages from the SMEM budget.
 
-    SMEM holds the two Q tiles (O reuses them in the epilogue: a Q tile is dead
-    once O_i's last P V has completed, which is when its O is normalised) and
-    the K/V ring: stages = (227 KB - 4 KB reserve - Q) / tile bytes, which gives
-    4 at head dim 128 and 11 at head dim 64 (FA4, which keeps a separate O
-    buffer, uses 3 and 10), and 2 at DeepSeek's (192, 128), whose V tiles take K
-    tiles' slots; tensor memory then holds S0, S1, O0 and O1 in 128 columns each.
+    SMEM holds the Q tiles (O reuses them in the epilogue: a Q tile is dead once
+    O_i's last P V has completed, which is when its O is normalised) and the K/V
+    ring: stages = (227 KB - 4 KB reserve - Q) / tile bytes, which gives 4 at head
+    dim 128 and 11 at head dim 64 (FA4, which keeps a separate O buffer, uses 3
+    and 10), and 2 at DeepSeek's (192, 128), whose V tiles take K tiles' slots;
+    tensor memory then holds S0, S1, O0 and O1 in 128 columns each.
     Head dim 192 (Dv = 192): O0 and O1 take 384 of the 512 columns, so S0 and S1
     get 64 each: 64-key blocks, 5 stages of them.
+    Head dim 256: one Q tile (Note [One Q tile]); 64-key blocks, so that 4 stages
+    fit beside Q (128-key blocks would leave 2: K and V of one block).
     Registers: 512 threads x 128 = 64K; softmax 2 x 128 x 192 + correction
     128 x 80 + the rest 128 x 48 = 64K (FA4's split).
     Software exp2: 4 of every 32 elements (12.5%) at head dim 128, 8 (25%) at
     head dim 64, where the MUFU unit limits the softmax most (FA4 uses 12.5%
     to 25%). Not tuned on hardware (none available yet).
     """
-    if (head_dim, head_dim_v) not in ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192)):
-        raise ValueError(f"sm100 forward supports head dims 64, 96, 128, 192 and (192, 128), "
-                         f"got {head_dim}, {head_dim_v}")
+    if (head_dim, head_dim_v) not in SM100_FWD_HEAD_DIMS:
+        raise ValueError(f"sm100 forward supports head dims 64, 96, 128, 192, (192, 128) and "
+                         f"256, got {head_dim}, {head_dim_v}")
     del causal  # same tiles for causal and not (not measured yet)
     tile_m = 128
+    q_tiles = 1 if 2 * head_dim_v >= _TMEM_COLS else 2
     # S0 and S1 take the tensor memory that O0 and O1 leave.
-    tile_n = min(128, (_TMEM_COLS - 2 * head_dim_v) // 2)
-    q_bytes = 2 * tile_m * head_dim * dtype_bytes
+    tile_n = min(128, (_TMEM_COLS - q_tiles * head_dim_v) // q_tiles)
+    if q_tiles == 1:
+        tile_n = 64
+    q_bytes = q_tiles * tile_m * head_dim * dtype_bytes
     # The ring's slots hold a K tile; V's (Dv <= D) takes one too.
     kv_tile_bytes = tile_n * head_dim * dtype_bytes
     stages = (_SMEM_CAPACITY - _SMEM_RESERVE - q_bytes) // kv_tile_bytes
-    # Head dim 192: the MMA warp issues 12 k-steps of Q K^T per tile and gets 80
-    # registers, the softmax warps 176 (Note [Descriptors per block]); with 48 it
-    # used local memory for its descriptors.
+    # Head dims above 128: the MMA warp issues 12 or 16 k-steps of Q K^T per tile
+    # and gets 80 registers, the softmax warps 176 (Note [Descriptors per block]);
+    # with 48 it used local memory for its descriptors.
     wide = head_dim > 128
     return Sm100FwdTiles(
         tile_m=tile_m,
@@ -180,6 +201,7 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2
         other_regs=80 if wide else 48,
         sw_exp2_per_32=4 if head_dim >= 128 else 8,
         rescale_threshold=RESCALE_THRESHOLD,
+        q_tiles=q_tiles,
     )
 
 
@@ -319,8 +341,11 @@ class FlashFwdSm100(FwdCall):
             # layout; pages of whole blocks keep the contiguous kernel's boxes.
             raise ValueError(f"the sm100 forward reads pages of whole {self.tile_n}-key "
                              f"blocks, got pages of {page_size}")
-        if 2 * self.tile_n + 2 * self.head_dim_v > _TMEM_COLS:
-            raise ValueError("S0, S1, O0, O1 do not fit in tensor memory")
+        self.q_tiles = t.q_tiles
+        if self.q_tiles not in (1, 2):
+            raise ValueError(f"q_tiles must be 1 or 2, got {self.q_tiles}")
+        if self.q_tiles * (self.tile_n + self.head_dim_v) > _TMEM_COLS:
+            raise ValueError("the S and O tiles do not fit in tensor memory")
         if self.tile_n % 32 or t.sw_exp2_per_32 % 2 or not 0 <= t.sw_exp2_per_32 <= 32:
             raise ValueError("sw_exp2_per_32 must be even and in [0, 32]")
         self.num_threads = _NUM_WARPS * _WARP
@@ -373,11 +398,13 @@ class FlashFwdSm100(FwdCall):
         qk_tiler = (tm, tn, d)
         pv_tiler = (tm, dv, tn)
 
-        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, qk_tiler, self.dtype, 2)
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, qk_tiler, self.dtype,
+                                                   self.q_tiles)
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, qk_tiler, self.dtype, stages)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, pv_tiler, self.dtype, stages)
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, pv_tiler, self.dtype, 1)
-        sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv), 2)
+        sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv),
+                                                     self.q_tiles)
         # K and V share the ring in slots of K's size (Dv <= D): V's stages take K's
         # stride, and a V load expects its own bytes (``_tma_load``).
         k_tile = cute.cosize(cute.select(sK_layout, mode=[0, 1, 2]))
@@ -433,7 +460,8 @@ class FlashFwdSm100(FwdCall):
         seqlen_q = self.q_rows(mQ)
         # With split keys the batches are batch x split, as the partial LSE has them.
         batches = mLSE.shape[2] if cutlass.const_expr(self.split_kv) else mQ.shape[3]
-        grid = (cute.ceil_div(seqlen_q, 2 * tm), cute.size(mQ.shape[2]), cute.size(batches))
+        grid = (cute.ceil_div(seqlen_q, self.q_tiles * tm), cute.size(mQ.shape[2]),
+                cute.size(batches))
         self.kernel(
             tma_Q,
             tma_K,
@@ -500,7 +528,7 @@ class FlashFwdSm100(FwdCall):
         mma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         pipe_q = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.mbar_q.data_ptr(),
-            num_stages=2,
+            num_stages=self.q_tiles,
             producer_group=load_thread,
             consumer_group=mma_thread,
             tx_count=self.tx_bytes_q,
@@ -528,7 +556,7 @@ class FlashFwdSm100(FwdCall):
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_addr.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=_BAR_TMEM_ALLOC, num_threads=(2 * 4 + 4 + 1) * _WARP
+                barrier_id=_BAR_TMEM_ALLOC, num_threads=(self.q_tiles * 4 + 4 + 1) * _WARP
             ),
             allocator_warp_id=_MMA_WARP,
         )
@@ -559,13 +587,13 @@ class FlashFwdSm100(FwdCall):
         # Blocks [n_end - n_blocks, n_end), walked from the last; the first n_masked
         # steps masked, then n_full unmasked ones, then the rest masked again.
         n_blocks, n_masked = kv_block_schedule(
-            m_block, seqlen_k, self.causal, 2 * self.tile_m, self.tile_n
+            m_block, seqlen_k, self.causal, self.q_tiles * self.tile_m, self.tile_n
         )
         n_end, n_full = n_blocks, n_blocks - n_masked
         masks = None
         if cutlass.const_expr(self.masked):
-            # Every warp reduces the CTA's 256 rows' intervals itself (BlockRange).
-            blocks = BlockRange(mRanges, 2 * self.tile_m, self.tile_n, m_block, batch,
+            # Every warp reduces the CTA's rows' intervals itself (BlockRange).
+            blocks = BlockRange(mRanges, self.q_tiles * self.tile_m, self.tile_n, m_block, batch,
                                 seqlen_q, at_least_one=True)
             keys = None
             if cutlass.const_expr(self.split_kv):
@@ -583,12 +611,23 @@ class FlashFwdSm100(FwdCall):
         cute.arch.sync_threads()  # barriers initialised and visible
 
         if warp_idx < _CORRECTION_WARP:
-            cute.arch.setmaxregister_increase(self.tiles.softmax_regs)
-            tile = warp_idx // 4
-            self.softmax(
-                tmem, tiled_mma_qk, row_scale, row_sum, row_max, mbar, tile,
-                m_block, seqlen_k, n_blocks, n_masked, n_end, n_full, masks,
-            )  # fmt: skip
+            if cutlass.const_expr(self.q_tiles == 2):
+                cute.arch.setmaxregister_increase(self.tiles.softmax_regs)
+                tile = warp_idx // 4
+                self.softmax(
+                    tmem, tiled_mma_qk, row_scale, row_sum, row_max, mbar, tile,
+                    m_block, seqlen_k, n_blocks, n_masked, n_end, n_full, masks,
+                )  # fmt: skip
+            else:
+                if warp_idx < _SOFTMAX1_WARP:
+                    cute.arch.setmaxregister_increase(self.tiles.softmax_regs)
+                    self.softmax(
+                        tmem, tiled_mma_qk, row_scale, row_sum, row_max, mbar, Int32(0),
+                        m_block, seqlen_k, n_blocks, n_masked, n_end, n_full, masks,
+                    )  # fmt: skip
+                else:
+                    # Note [One Q tile]: no second tile; these warps leave.
+                    cute.arch.setmaxregister_decrease(self.tiles.other_regs)
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_decrease(self.tiles.correction_regs)
             self.correction(
@@ -655,19 +694,23 @@ class FlashFwdSm100(FwdCall):
         gV = cute.flat_divide(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
         tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, thr_pv.partition_B(gV), rank=3)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.q_tiles)
         kv_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.tiles.kv_stages
         )
 
         n_last = n_end - 1
-        q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block, 0], tQsQ, q_state)
+        q_tile0 = self.q_tiles * m_block
+        q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, q_tile0, 0], tQsQ, q_state)
         # What a paged block's tiles are made from (``_kv_tile``).
         pages = (mK, mVt, mPageTable, tma_atom_K, tma_atom_V, sK, sV, thr_qk, thr_pv,
                  head_kv, batch)
         kv_state = self._tma_load(pipe_kv, tma_atom_K, self._kv_tile(tKgK, pages, n_last, 0),
                                   tKsK, kv_state)
-        q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, 2 * m_block + 1, 0], tQsQ, q_state)
+        if cutlass.const_expr(self.q_tiles == 2):
+            q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, q_tile0 + 1, 0], tQsQ,
+                                     q_state)
         for t in cutlass.range(1, n_blocks, unroll=1):
             kv_state = self._tma_load(
                 pipe_kv, tma_atom_K, self._kv_tile(tKgK, pages, n_last - t, 0), tKsK, kv_state
@@ -760,13 +803,14 @@ class FlashFwdSm100(FwdCall):
         tOrV = thr_pv.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, stages)
         tStS, tOtO, tOrP = self._tmem_views(thr_qk, thr_pv, tP_layout, tmem_ptr)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.q_tiles)
         kv_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.tiles.kv_stages
         )
         # Block 0 of the sequence: S_0 and S_1 against the first K.
         pipe_kv.consumer_wait(kv_state)
-        for tile in cutlass.range_constexpr(2):
+        for tile in cutlass.range_constexpr(self.q_tiles):
             pipe_q.consumer_wait(q_state)
             # Q tile i sits in Q stage i (loaded in that order).
             self._issue_qk(
@@ -784,7 +828,7 @@ class FlashFwdSm100(FwdCall):
             pipe_kv.consumer_wait(k_state)  # K(t)
             v_state = _advanced(k_state)
             pipe_kv.consumer_wait(v_state)  # V(t-1)
-            for tile in cutlass.range_constexpr(2):
+            for tile in cutlass.range_constexpr(self.q_tiles):
                 self._issue_pv(
                     tiled_mma_pv,
                     tOtO[tile],
@@ -809,7 +853,7 @@ class FlashFwdSm100(FwdCall):
             pipe_kv.consumer_release(v_state)
             kv_state = _advanced(v_state)
         pipe_kv.consumer_wait(kv_state)  # V(last)
-        for tile in cutlass.range_constexpr(2):
+        for tile in cutlass.range_constexpr(self.q_tiles):
             self._issue_pv(
                 tiled_mma_pv,
                 tOtO[tile],
@@ -892,11 +936,13 @@ class FlashFwdSm100(FwdCall):
         p_layout = thr_pv.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[
             None, None, None, 0
         ].layout
-        tStS = [cute.make_tensor(tmem_ptr + self._s_col(i), s_layout) for i in range(2)]
-        tOtO = [cute.make_tensor(tmem_ptr + self._o_col(i), o_layout) for i in range(2)]
+        tStS = [cute.make_tensor(tmem_ptr + self._s_col(i), s_layout)
+                for i in range(self.q_tiles)]
+        tOtO = [cute.make_tensor(tmem_ptr + self._o_col(i), o_layout)
+                for i in range(self.q_tiles)]
         tOrP = [
             cute.make_tensor(cute.recast_ptr(tmem_ptr + self._p_col(i), dtype=self.dtype), p_layout)
-            for i in range(2)
+            for i in range(self.q_tiles)
         ]
         return tStS, tOtO, tOrP
 
@@ -908,7 +954,7 @@ class FlashFwdSm100(FwdCall):
         return tile * self.tile_n + self.tile_n // 2
 
     def _o_col(self, tile):
-        return 2 * self.tile_n + tile * self.head_dim_v
+        return self.q_tiles * self.tile_n + tile * self.head_dim_v
 
     # --------------------------------------------------------------- softmax
     @cute.jit
@@ -978,7 +1024,7 @@ class FlashFwdSm100(FwdCall):
         rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), rS.layout)
 
         row = tScrd[0][0]  # this thread's row of the tile (its TMEM lane)
-        row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
+        row_global = (m_block * self.q_tiles + tile) * self.tile_m + row
         c = self.scale_log2
         m_ref = Float32(-math.inf)  # reference max of the row (stale by up to the threshold)
         l_sum = Float32(0.0)  # row sum of P against m_ref, fp32 (before 16-bit rounding)
@@ -1199,11 +1245,11 @@ class FlashFwdSm100(FwdCall):
         row = tOcrd[0][0]  # this thread's row of both O tiles (its TMEM lane)
         n_chunks = self.head_dim_v // chunk
         # Block 0: no O exists yet, nothing to rescale.
-        for tile in cutlass.range_constexpr(2):
+        for tile in cutlass.range_constexpr(self.q_tiles):
             _tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(mbar + _P_READY + tile)
         for t in cutlass.range(1, n_blocks, unroll=1):
-            for tile in cutlass.range_constexpr(2):
+            for tile in cutlass.range_constexpr(self.q_tiles):
                 cute.arch.mbarrier_wait(mbar + _STATS + tile, (t - 1) % 2)
                 scale = row_scale[row, tile]
                 cute.arch.mbarrier_wait(mbar + _O_DONE + tile, (t - 1) % 2)
@@ -1225,7 +1271,7 @@ class FlashFwdSm100(FwdCall):
         # Final: O / row_sum in 16 bits into SMEM (split keys: in float32 straight to
         # global memory, Note [Split keys] in sm90_fwd.py), LSE to global memory.
         rOh = cute.make_rmem_tensor(tOcrd.shape, self.dtype)
-        for tile in cutlass.range_constexpr(2):
+        for tile in cutlass.range_constexpr(self.q_tiles):
             cute.arch.mbarrier_wait(mbar + _FINAL + tile, 0)
             total = row_sum[row, tile]
             m_ref = row_max[row, tile]
@@ -1243,7 +1289,7 @@ class FlashFwdSm100(FwdCall):
                 empty = total == 0.0 or total != total  # noqa: PLR0124 (NaN test)
                 inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
             sO_i = sO[None, None, tile]
-            row_global = m_block * 2 * self.tile_m + tile * self.tile_m + row
+            row_global = (m_block * self.q_tiles + tile) * self.tile_m + row
             for k in cutlass.range_constexpr(n_chunks):
                 cute.copy(thr_ld, self._o_chunk(tOsrc, tile, k), rO)
                 cute.arch.fence_view_async_tmem_load()
@@ -1297,9 +1343,9 @@ class FlashFwdSm100(FwdCall):
             mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0)
         )  # (tile_m, Dv, m tiles)
         tOsO, tOgO = tma_tile_partition(tma_atom_O, sO, gO)
-        for tile in cutlass.range_constexpr(2):
+        for tile in cutlass.range_constexpr(self.q_tiles):
             cute.arch.mbarrier_wait(mbar + _O_SMEM + tile, 0)
-            cute.copy(tma_atom_O, tOsO[None, tile], tOgO[None, 2 * m_block + tile])
+            cute.copy(tma_atom_O, tOsO[None, tile], tOgO[None, self.q_tiles * m_block + tile])
             cute.arch.cp_async_bulk_commit_group()
         # SMEM must outlive the TMA engine's reads of it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)

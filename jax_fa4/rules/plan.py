@@ -146,10 +146,12 @@ def fwd_tile_shape(arch: str, head_dim: int, head_dim_v: int, masked: bool
 
         tiles = fwd_tiles(head_dim, head_dim_v, False, masked)
         return tiles.tile_m, tiles.tile_n
-    # sm_100a: one CTA runs two 128-row tiles (compiled, not run on hardware).
+    # sm_100a: one CTA runs two 128-row tiles, one at head dim 256 (compiled, not
+    # run on hardware).
     from jax_fa4.kernels.sm100_fwd import fwd_tiles as sm100_fwd_tiles
 
-    return 256, sm100_fwd_tiles(head_dim, head_dim_v, False).tile_n
+    tiles = sm100_fwd_tiles(head_dim, head_dim_v, False)
+    return tiles.q_tiles * tiles.tile_m, tiles.tile_n
 
 
 @functools.cache
