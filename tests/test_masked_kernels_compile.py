@@ -96,9 +96,9 @@ def test_deterministic_masks_lower_to_the_kernel(monkeypatch, kernel_calls, arch
     assert inputs[7:] == [((B, HQ, -(-SQ // tile_m)), i32), ((B, SK, 2), i32),
                           ((B, SQ), i32), ((B, SK), i32), ((B, -(-SK // tile_n), 5), i32)]
     assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, True, True).walk_tiles is None
-    # The default masked kernel takes its walks on sm_90a (Note [Block walks]) only.
-    walks = bwd_plan(arch, "bfloat16", d, d, False, 0.1, False, True, True).walk_tiles
-    assert walks == ((tile_n, tile_m) if arch == "sm_90a" else None)
+    # The default masked kernel takes its walks too (Note [Block walks]).
+    assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, False, True, True).walk_tiles == (
+        tile_n, tile_m)
 
 
 def test_deterministic_masks_at_hdim_256_take_the_logged_reference_backward(monkeypatch,

@@ -187,10 +187,14 @@ class FlashBwdSm100(BwdMainCall):
         (``FlashBwdSm100Deterministic``, which takes the semaphores).
       masked: the call takes each key's interval of seeing queries (rules/ranges.py),
         which carries every mask (causal must then be False); segments: and the
-        segment ids, compared where a document is not contiguous.
+        segment ids, compared where a document is not contiguous; then the key
+        blocks' walks (Note [Block walks] in rules/ranges.py).
       softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
         kernels] in softmax.py); None for none.
     """
+
+    # Masked, the key blocks' walks come from the lowering.
+    takes_walks = True
 
     def __init__(
         self,
@@ -263,8 +267,8 @@ class FlashBwdSm100(BwdMainCall):
                mdQsem: cute.Tensor | None = None, *masks: cute.Tensor):
         """The host side of ``BwdMainCall.__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m))
         int32, zero at launch, with the deterministic backward, else None; masks:
-        with ``masked``, the keys' query intervals (and the segment ids), and
-        deterministic, the key blocks' walks."""
+        with ``masked``, the keys' query intervals (and the segment ids), and the
+        key blocks' walks."""
         masks = tuple(masks) + (None,) * (4 - len(masks))
         if const_expr(self.deterministic and mdQsem is None):
             raise TypeError("the deterministic backward takes the dQ semaphores: call "
@@ -384,8 +388,7 @@ class FlashBwdSm100(BwdMainCall):
         mRanges: cute.Tensor | None,  # (B, Sk, 2) int32 query intervals (masked only)
         mQSeg: cute.Tensor | None,  # (B, Sq) int32 (segments only)
         mKSeg: cute.Tensor | None,  # (B, Sk) int32 (segments only)
-        mWalks: cute.Tensor | None,  # (B, num_n, 5) int32 key-block walks (masked
-        # deterministic only)
+        mWalks: cute.Tensor | None,  # (B, num_n, 5) int32 key-block walks (masked only)
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -492,14 +495,12 @@ class FlashBwdSm100(BwdMainCall):
         m_block_min = Int32(0)
         masks = None
         if const_expr(self.masked):
-            # Every warp reduces the block's keys' intervals itself (BlockRange).
-            blocks = BlockRange(mRanges, tn, tm, n_block, batch, seqlen_k, at_least_one=False)
-            m_block_min, m_block_max = blocks.first, blocks.end
-            if const_expr(self.deterministic):
-                # The walk the dQ ranks count (Note [Masked dQ order]).
-                m_block_min = cute.arch.make_warp_uniform(mWalks[batch, n_block, 0])
-                m_block_max = cute.arch.make_warp_uniform(mWalks[batch, n_block, 1])
-            masks = (mRanges, mQSeg, mKSeg, blocks.full_first, blocks.full_end, seqlen_q)
+            # The block's walk from the lowering (Note [Block walks] in
+            # rules/ranges.py), which the deterministic dQ ranks count too (Note
+            # [Masked dQ order]).
+            walk = [cute.arch.make_warp_uniform(mWalks[batch, n_block, i]) for i in range(4)]
+            m_block_min, m_block_max = walk[0], walk[1]
+            masks = (mRanges, mQSeg, mKSeg, walk[2], walk[3], seqlen_q)
         elif const_expr(self.causal):
             m_block_min = cutlass.min(n_block * tn // tm, m_block_max)
         num_m = m_block_max - m_block_min

@@ -77,10 +77,10 @@ class BwdPlan:
     # The deterministic main kernel orders its dQ adds with one int32 semaphore
     # per (batch, head, query block of this many rows), zero at launch; else 0.
     sem_tile_m: int
-    # A masked main kernel that takes its walks (``key_block_ranges`` over blocks of
-    # (keys, queries)): sm_90a's at head dims up to 128 (Note [Block walks] in
-    # rules/ranges.py), and the deterministic ones, which rank their dQ adds by
-    # them; else None.
+    # A masked main kernel at head dims up to 128 takes its walks
+    # (``key_block_ranges`` over blocks of (keys, queries); Note [Block walks] in
+    # rules/ranges.py; the deterministic ones rank their dQ adds by them); else
+    # None.
     walk_tiles: tuple[int, int] | None = None
 
     @property
@@ -230,12 +230,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         stat_block = stats_thread_block(head_dim, causal, masked) or 0
         dq_tile_m = dq_accum_flat_tile_m(head_dim, causal, masked) or 0
     sem_tile_m, walk_tiles = 0, None
-    if masked and arch == "sm_90a" and head_dim in (64, 96, 128):
-        # Its walks come from the lowering (Note [Block walks] in rules/ranges.py).
-        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
-
-        walk_tiles = (FlashBwdSm90.tile_n, bwd_tiles(head_dim, causal, masked).tile_m)
-    if deterministic:
+    if head_dim in (64, 96, 128) and (masked or deterministic):
         if arch == "sm_90a":
             from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
@@ -245,8 +240,10 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
 
             tiles = bwd_tiles(head_dim, causal)
             tile_m, tile_n = tiles.tile_m, tiles.tile_n
-        sem_tile_m = tile_m
+        if deterministic:
+            sem_tile_m = tile_m
         if masked:
+            # Its walks come from the lowering (Note [Block walks] in rules/ranges.py).
             walk_tiles = (tile_n, tile_m)
     common = dict(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
     # The pre- and postprocess ignore the mask (and the preprocess the scale): they
