@@ -265,23 +265,17 @@ def test_host_model_rescales_when_max_moves(sm100):
     assert np.max(np.abs(lse - ref_lse)) < 1e-3
 
 
-def test_deepseek_dims_forward(sm100, tmp_path):
-    """(192, 128): V tiles take K-sized slots of the ring, and each V load expects its
-    own 32 KiB (K and Q tiles 48 KiB); 2 ring stages; the MMA warp's 80 registers
-    (with Q's descriptors rebuilt per block, Note [Descriptors per block]) and
-    the softmax warps' 176 share the 64K, and the build keeps its local memory
-    near the hdim-128 build's. Compiled, not run on hardware."""
+def _wide_build(sm100, tmp_path, d: int, dv: int):
+    """(the byte counts the load barriers expect, local-memory instructions or None
+    where the DSL wrote no SASS) of the causal bf16 forward at head dims (d, dv)."""
     from kernel_compile import dump_options, read_dump
 
-    t = sm100[1].fwd_tiles(192, 128, True)
-    assert (t.kv_stages, t.softmax_regs, t.correction_regs, t.other_regs) == (2, 176, 80, 80)
-    assert 2 * t.softmax_regs + t.correction_regs + t.other_regs == 512
     sds = jax.ShapeDtypeStruct
     b, sq, sk, hq, hkv = 2, 300, 700, 4, 2
-    ins = (sds((b, sq, hq, 192), jnp.bfloat16), sds((b, sk, hkv, 192), jnp.bfloat16),
-           sds((b, sk, hkv, 128), jnp.bfloat16))
-    outs = (sds((b, sq, hq, 128), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
-    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, 192, 128, True), "sm_100a", ins, outs,
+    ins = (sds((b, sq, hq, d), jnp.bfloat16), sds((b, sk, hkv, d), jnp.bfloat16),
+           sds((b, sk, hkv, dv), jnp.bfloat16))
+    outs = (sds((b, sq, hq, dv), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
+    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, d, dv, True), "sm_100a", ins, outs,
           compile_options=dump_options(tmp_path))
     ptx = read_dump(tmp_path, "ptx")
     # The byte counts the mbarrier arrivals expect: registers set from immediates.
@@ -289,69 +283,41 @@ def test_deepseek_dims_forward(sm100, tmp_path):
         r"expect_tx\.shared\.b64 [^,]+, \[[^\]]+\], (%r\d+);", ptx)}
     tx = {int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)
           if re.escape(r) in expected}
-    assert tx == {32768, 49152}, tx
     sass = read_dump(tmp_path, "sass")
-    if sass is None:
-        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 45
+    return tx, None if sass is None else len(re.findall(r"\b(LDL|STL)\b", sass))
 
 
-def test_hdim_192_forward(sm100, tmp_path):
-    """Head dim 192 (Dv = 192): O0 and O1 take 384 of the 512 tensor-memory
-    columns, so S0 and S1 take 64 each: 64-key blocks, 5 ring stages of 24 KiB,
-    and each load expects its own bytes (K / V 24 KiB, Q 48 KiB); 512 columns
-    allocated. Compiled, not run on hardware."""
-    from kernel_compile import dump_options, read_dump
-
-    t = sm100[1].fwd_tiles(192, 192, True)
-    assert (t.tile_m, t.tile_n, t.kv_stages) == (128, 64, 5)
-    assert 2 * t.tile_n + 2 * 192 == 512
+def test_deepseek_dims_forward(sm100, tmp_path):
+    """(192, 128): V tiles take K-sized slots of the ring, and each V load expects its
+    own 32 KiB (K and Q tiles 48 KiB); 2 ring stages; the MMA warp's 80 registers
+    (with Q's descriptors rebuilt per block, Note [Descriptors per block]) and
+    the softmax warps' 176 share the 64K, and the build keeps its local memory
+    near the hdim-128 build's. Compiled, not run on hardware."""
+    t = sm100[1].fwd_tiles(192, 128, True)
+    assert (t.kv_stages, t.softmax_regs, t.correction_regs, t.other_regs) == (2, 176, 80, 80)
     assert 2 * t.softmax_regs + t.correction_regs + t.other_regs == 512
-    sds = jax.ShapeDtypeStruct
-    b, sq, sk, hq, hkv = 2, 300, 700, 4, 2
-    ins = (sds((b, sq, hq, 192), jnp.bfloat16), sds((b, sk, hkv, 192), jnp.bfloat16),
-           sds((b, sk, hkv, 192), jnp.bfloat16))
-    outs = (sds((b, sq, hq, 192), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
-    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, 192, 192, True), "sm_100a", ins, outs,
-          compile_options=dump_options(tmp_path))
-    ptx = read_dump(tmp_path, "ptx")
-    expected = {re.escape(r) for r in re.findall(
-        r"expect_tx\.shared\.b64 [^,]+, \[[^\]]+\], (%r\d+);", ptx)}
-    tx = {int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)
-          if re.escape(r) in expected}
-    assert tx == {24576, 49152}, tx
-    assert re.search(r"tcgen05\.alloc\.cta_group::1", ptx)
-    sass = read_dump(tmp_path, "sass")
-    if sass is None:
+    tx, local = _wide_build(sm100, tmp_path, 192, 128)
+    assert tx == {32768, 49152}, tx
+    if local is None:
         pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 30
+    assert local <= 45
 
 
-def test_hdim_256_forward_one_q_tile(sm100, tmp_path):
-    """Head dim 256 (Note [One Q tile]): one 128-row Q tile per CTA, S0 and O0 in
-    320 tensor-memory columns, 64-key blocks, 4 ring stages of 32 KiB beside Q's
-    64 KiB, each load expecting its own bytes; no local memory. Compiled, not run
-    on hardware."""
-    from kernel_compile import dump_options, read_dump
-
-    t = sm100[1].fwd_tiles(256, 256, False)
-    assert (t.q_tiles, t.tile_m, t.tile_n, t.kv_stages) == (1, 128, 64, 4)
-    assert t.q_tiles * (t.tile_n + 256) <= 512
-    assert sm100[1].fwd_tiles(128, 128, False).q_tiles == 2
-    sds = jax.ShapeDtypeStruct
-    b, sq, sk, hq, hkv = 2, 300, 700, 4, 2
-    ins = (sds((b, sq, hq, 256), jnp.bfloat16), sds((b, sk, hkv, 256), jnp.bfloat16),
-           sds((b, sk, hkv, 256), jnp.bfloat16))
-    outs = (sds((b, sq, hq, 256), jnp.bfloat16), sds((b, hq, sq), jnp.float32))
-    lower(lambda: sm100[1].FlashFwdSm100(jnp.bfloat16, 256, 256, True), "sm_100a", ins, outs,
-          compile_options=dump_options(tmp_path))
-    ptx = read_dump(tmp_path, "ptx")
-    expected = {re.escape(r) for r in re.findall(
-        r"expect_tx\.shared\.b64 [^,]+, \[[^\]]+\], (%r\d+);", ptx)}
-    tx = {int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)
-          if re.escape(r) in expected}
-    assert tx == {32768, 65536}, tx
-    sass = read_dump(tmp_path, "sass")
-    if sass is None:
+@pytest.mark.parametrize("d,q_tiles,tile_n,stages,tx_kv,tx_q,local_max", [
+    (192, 2, 64, 5, 24576, 49152, 30), (256, 1, 64, 4, 32768, 65536, 10)])
+def test_wide_head_dim_forward(sm100, tmp_path, d, q_tiles, tile_n, stages, tx_kv, tx_q,
+                               local_max):
+    """Head dims 192 and 256 (Dv = D). 192: O0 and O1 take 384 of the 512
+    tensor-memory columns, so S0 and S1 take 64 each: 64-key blocks, 5 ring
+    stages. 256: one 128-row Q tile per CTA (Note [One Q tile]), S0 and O0 in 320
+    columns, 64-key blocks, 4 stages beside Q. Each load expects its own bytes (K
+    / V, Q tiles). Compiled, not run on hardware."""
+    t = sm100[1].fwd_tiles(d, d, False)
+    assert (t.q_tiles, t.tile_m, t.tile_n, t.kv_stages) == (q_tiles, 128, tile_n, stages)
+    assert q_tiles * (t.tile_n + d) <= 512
+    assert 2 * t.softmax_regs + t.correction_regs + t.other_regs <= 512
+    tx, local = _wide_build(sm100, tmp_path, d, d)
+    assert tx == {tx_kv, tx_q}, tx
+    if local is None:
         pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
-    assert len(re.findall(r"\b(LDL|STL)\b", sass)) <= 10
+    assert local <= local_max
