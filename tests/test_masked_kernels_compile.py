@@ -254,13 +254,14 @@ def test_split_key_builds(tmp_path, arch, d):
 
 
 @pytest.mark.parametrize("arch,d,page_size", [("sm_90a", 128, 16), ("sm_90a", 64, 64),
-                                              ("sm_90a", 256, 16), ("sm_100a", 128, 256)])
+                                              ("sm_90a", 256, 16), ("sm_100a", 128, 256),
+                                              ("sm_100a", 128, 32), ("sm_100a", 256, 16)])
 def test_paged_builds(tmp_path, arch, d, page_size):
     """The forward that reads a paged cache in place (Note [Paged KV] in
     kernels/sm90_fwd.py), with split keys: K and V arrive as 4-D TMA boxes of the
-    pools; on sm_90a a block of several pages takes its page ids from the load
-    warp's lanes by shuffle, one box load per page piece in a run-time loop (no
-    local memory). sm_100a (pages of whole blocks): compiled, not run on hardware."""
+    pools; a block of several pages takes its page ids from the load warp's lanes
+    by shuffle, one box load per page piece in a run-time loop (on sm_90a with no
+    local memory; sm_100a: Note [Page pieces], compiled, not run on hardware)."""
     import os
     import sys
 

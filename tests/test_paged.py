@@ -138,13 +138,14 @@ def test_differentiating_a_paged_call_raises():
 
 @pytest.mark.parametrize("arch,page_size,in_place", [
     ("sm_90a", 64, True), ("sm_90a", 16, True), ("sm_90a", 256, True), ("sm_90a", 48, False),
-    ("sm_100a", 128, True), ("sm_100a", 256, True), ("sm_100a", 64, False)])
+    ("sm_100a", 128, True), ("sm_100a", 256, True), ("sm_100a", 64, True),
+    ("sm_100a", 48, False)])
 def test_paged_decode_lowers_to_the_masked_forward_kernel(monkeypatch, kernel_calls, arch,
                                                           page_size, in_place):
     """A paged decode step is one masked forward kernel (GQA heads packed into its
     tiles) that reads the pools in place (Note [Paged KV]) where the page size and
-    its 128-key blocks tile each other (sm_100a: pages of whole blocks; compiled,
-    not run on hardware); other page sizes are gathered into contiguous keys first."""
+    its 128-key blocks tile each other (sm_100a: compiled, not run on hardware);
+    other page sizes are gathered into contiguous keys first."""
     monkeypatch.setenv("JAX_FA4_ARCH", arch)
     sds = jax.ShapeDtypeStruct
     pool = sds((64, page_size, 2, 128), jnp.bfloat16)

@@ -73,6 +73,7 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
+    kv_box_layout,
     as_cutlass_dtype,
     check_forward_dtypes,
     packed_gqa_views,
@@ -84,6 +85,7 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.mask import BlockRange, edge_walk, keep_inside
+from jax_fa4.kernels.sm90_fwd import PagedKV
 from jax_fa4.kernels.softmax import (
     RESCALE_THRESHOLD,
     cap_scores,
@@ -226,6 +228,20 @@ def kv_block_schedule(m_block, seqlen_k, causal: bool, rows_per_cta: int, tile_n
 
 
 
+# Note [Page pieces]
+# ~~~~~~~~~~~~~~~~~~~
+# A paged cache whose pages are smaller than a key block (Note [Paged KV] in
+# sm90_fwd.py) fills each ring slot as tile_n / page_size row boxes, one per page,
+# with sm90_fwd.py's ``PagedKV``. The MMA operand layouts of K (K-major) and V
+# (MN-major) put a key's 64 columns in one 128-byte row of the swizzle, tile_n such
+# rows per 64 columns, so the slot seen as (tile_n keys, columns) has plain rows
+# (``_ring_rows``, checked against the MMA layouts when traced), and a piece of r
+# keys is rows [j r, j r + r) of each 64-column band: r a multiple of the swizzle's
+# 8 rows keeps the pattern. V is then read through its (keys, Dv) view, as K is. The
+# MMA warp reads the same bytes through the MMA layouts. Head dims that are
+# multiples of 64 only (the 128-byte swizzle); others gather their pages.
+
+
 # Note [Descriptors per block]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Q's SMEM descriptors do not change over the key blocks, so the compiler builds
@@ -297,10 +313,9 @@ class FlashFwdSm100(FwdCall):
         (Note [Packed GQA] in sm90_fwd.py), dividing tile_m; 1: none.
     split_kv: with ``masked`` and no sinks, O and LSE are float32 partials, one per
         split of each tile's key blocks (Note [Split keys] in sm90_fwd.py).
-    page_size: with ``masked``, K and V are page pools (pages, page_size, Hkv, D) of
-        whole key blocks (``tile_n`` keys), and the call takes a page table after the mask
-        operands (Note [Paged KV] in sm90_fwd.py; smaller pages are gathered by the
-        lowering); 0: contiguous.
+    page_size: with ``masked``, K and V are page pools (pages, page_size, Hkv, D), and
+        the call takes a page table after the mask operands (Note [Paged KV] in
+        sm90_fwd.py, Note [Page pieces] here); 0: contiguous.
     """
 
     def __init__(
@@ -336,11 +351,11 @@ class FlashFwdSm100(FwdCall):
             raise ValueError("sm100 forward is written for 128 x 128 and 128 x 64 tiles")
         set_forward_extras(self, sinks, softcap, pack_gqa, split_kv)
         set_page_size(self, page_size)
-        if page_size and page_size % self.tile_n:
-            # A page piece of a block would be a box of the MMA-partitioned K / V
-            # layout; pages of whole blocks keep the contiguous kernel's boxes.
-            raise ValueError(f"the sm100 forward reads pages of whole {self.tile_n}-key "
-                             f"blocks, got pages of {page_size}")
+        # Note [Page pieces]: pages smaller than a block, read as pieces of it.
+        self.page_pieces = bool(page_size) and page_size < self.tile_n
+        if self.page_pieces and (self.head_dim % 64 or self.head_dim_v % 64):
+            raise ValueError("the sm100 forward reads pages smaller than a block at head "
+                             "dims that are multiples of 64 (rows of the 128-byte swizzle)")
         self.q_tiles = t.q_tiles
         if self.q_tiles not in (1, 2):
             raise ValueError(f"q_tiles must be 1 or 2, got {self.q_tiles}")
@@ -371,6 +386,8 @@ class FlashFwdSm100(FwdCall):
         # B operand of P V: (head_dim_v, seqlen_k, heads, batch); LSE (seqlen, heads, batch).
         mQ, mK, mO = [permute(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
         mVt = permute(mV, [3, 1, 2, 0])
+        # Page pieces: V as K, (seqlen, head_dim_v, heads, pages), for row boxes.
+        mV_rows = permute(mV, [1, 3, 2, 0]) if cutlass.const_expr(self.page_pieces) else None
         mLSE = permute(mLSE, [2, 1, 0])
         if cutlass.const_expr(self.pack_gqa > 1):  # Note [Packed GQA] in sm90_fwd.py
             mQ, mO, mLSE, mRanges, mQSeg = packed_gqa_views(self.pack_gqa, mQ, mO, mLSE,
@@ -433,6 +450,17 @@ class FlashFwdSm100(FwdCall):
             g2s, mVt, cute.select(sV_layout, mode=[0, 1, 2]), pv_tiler, tiled_mma_pv,
             cluster_vmnk.shape,
         )  # fmt: skip
+        # Note [Page pieces]: row boxes of a page into the ring's rows.
+        sK_rows = sV_rows = None
+        if cutlass.const_expr(self.page_pieces):
+            sK_rows = self._ring_rows(sK_layout, d, k_tile, True)
+            sV_rows = self._ring_rows(sV_layout, dv, k_tile, False)
+            g2s_rows = cpasync.CopyBulkTensorTileG2SOp()
+            r = self.page_rows
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+                g2s_rows, mK, kv_box_layout(sK_rows, r, d), (r, d))
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+                g2s_rows, mV_rows, kv_box_layout(sV_rows, r, dv), (r, dv))
         # Split keys: float32 partials stored by the correction warps.
         tma_atom_O, tma_O = None, mO
         if cutlass.const_expr(not self.split_kv):
@@ -482,6 +510,8 @@ class FlashFwdSm100(FwdCall):
             sV_layout,
             tP_layout,
             sO_layout,
+            sK_rows,
+            sV_rows,
             tiled_mma_qk,
             tiled_mma_pv,
             SharedStorage,
@@ -510,6 +540,8 @@ class FlashFwdSm100(FwdCall):
         sV_layout: cute.ComposedLayout,  # ((MMA, MMA_N=Dv, MMA_K), stages)
         tP_layout: cute.ComposedLayout,  # P as the TMEM A operand of P V
         sO_layout: cute.ComposedLayout,  # (tile_m, Dv, 2 Q tiles), aliases sQ
+        sK_rows: cute.ComposedLayout | None,  # page pieces: (tile_n, D, stages) rows
+        sV_rows: cute.ComposedLayout | None,  # page pieces: (tile_n, Dv, stages) rows
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -647,7 +679,8 @@ class FlashFwdSm100(FwdCall):
                     self.epilogue(mO, sO, tma_atom_O, mbar, m_block, head, batch)
             elif warp_idx == _LOAD_WARP:
                 self.load(
-                    mQ, mK, mVt, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                    mQ, mK, mVt, sQ, *self._ring_views(storage, sK, sV, sK_rows, sV_rows),
+                    tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_kv, m_block, head, head_kv,
                     batch, n_blocks, n_end, mPageTable,
                 )  # fmt: skip
@@ -689,10 +722,23 @@ class FlashFwdSm100(FwdCall):
         # (tile_m, D, m tiles, 1) -> MMA partition -> TMA partition.
         gQ = cute.flat_divide(mQ[None, None, head, batch], (self.tile_m, self.head_dim))
         tQsQ, tQgQ = tma_tile_partition(tma_atom_Q, sQ, thr_qk.partition_A(gQ), rank=3)
-        gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
-        tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, thr_qk.partition_B(gK), rank=3)
-        gV = cute.flat_divide(mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n))
-        tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, thr_pv.partition_B(gV), rank=3)
+        if cutlass.const_expr(self.page_pieces):
+            # Note [Page pieces]: mK / mVt are the pools as (rows, D, Hkv, pages), sK /
+            # sV the ring's rows.
+            blocks = (PagedKV(mK, mPageTable, sK, tma_atom_K, self.page_size, self.tile_n,
+                              head_kv, batch),
+                      PagedKV(mVt, mPageTable, sV, tma_atom_V, self.page_size, self.tile_n,
+                              head_kv, batch))
+        else:
+            gK = cute.flat_divide(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim))
+            tKsK, tKgK = tma_tile_partition(tma_atom_K, sK, thr_qk.partition_B(gK), rank=3)
+            gV = cute.flat_divide(mVt[None, None, head_kv, batch],
+                                  (self.head_dim_v, self.tile_n))
+            tVsV, tVgV = tma_tile_partition(tma_atom_V, sV, thr_pv.partition_B(gV), rank=3)
+            # What a paged block's tiles are made from (``_kv_tile``).
+            pages = (mK, mVt, mPageTable, tma_atom_K, tma_atom_V, sK, sV, thr_qk, thr_pv,
+                     head_kv, batch)
+            blocks = ((tma_atom_K, tKgK, tKsK, pages), (tma_atom_V, tVgV, tVsV, pages))
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                self.q_tiles)
@@ -703,25 +749,57 @@ class FlashFwdSm100(FwdCall):
         n_last = n_end - 1
         q_tile0 = self.q_tiles * m_block
         q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, q_tile0, 0], tQsQ, q_state)
-        # What a paged block's tiles are made from (``_kv_tile``).
-        pages = (mK, mVt, mPageTable, tma_atom_K, tma_atom_V, sK, sV, thr_qk, thr_pv,
-                 head_kv, batch)
-        kv_state = self._tma_load(pipe_kv, tma_atom_K, self._kv_tile(tKgK, pages, n_last, 0),
-                                  tKsK, kv_state)
+        kv_state = self._load_block(pipe_kv, kv_state, blocks, n_last, 0)
         if cutlass.const_expr(self.q_tiles == 2):
             q_state = self._tma_load(pipe_q, tma_atom_Q, tQgQ[None, q_tile0 + 1, 0], tQsQ,
                                      q_state)
         for t in cutlass.range(1, n_blocks, unroll=1):
-            kv_state = self._tma_load(
-                pipe_kv, tma_atom_K, self._kv_tile(tKgK, pages, n_last - t, 0), tKsK, kv_state
-            )
-            kv_state = self._tma_load(
-                pipe_kv, tma_atom_V, self._kv_tile(tVgV, pages, n_last - t + 1, 1), tVsV,
-                kv_state, self.tx_bytes_v
-            )
-        kv_state = self._tma_load(pipe_kv, tma_atom_V,
-                                  self._kv_tile(tVgV, pages, n_end - n_blocks, 1), tVsV, kv_state,
-                                  self.tx_bytes_v)
+            kv_state = self._load_block(pipe_kv, kv_state, blocks, n_last - t, 0)
+            kv_state = self._load_block(pipe_kv, kv_state, blocks, n_last - t + 1, 1)
+        kv_state = self._load_block(pipe_kv, kv_state, blocks, n_end - n_blocks, 1)
+
+    def _load_block(self, pipe_kv, kv_state, blocks: tuple, n, which: int):
+        """Key block n's K (which 0) or V (1) into the next ring slot; returns the
+        advanced state. A V load expects its own bytes (V tiles in K-sized slots)."""
+        tx = self.tx_bytes_v if which == 1 else None
+        if cutlass.const_expr(self.page_pieces):
+            if cutlass.const_expr(tx == self.tx_bytes_kv):
+                tx = None
+            blocks[which].load(pipe_kv, kv_state, n, tx)
+            return _advanced(kv_state)
+        atom, tXgX, tXsX, pages = blocks[which]
+        return self._tma_load(pipe_kv, atom, self._kv_tile(tXgX, pages, n, which), tXsX,
+                              kv_state, tx)
+
+    def _ring_views(self, storage, sK, sV, sK_rows, sV_rows):
+        """(K, V) ring tensors the load warp fills: the MMA layouts, or with page pieces
+        the ring's rows (Note [Page pieces])."""
+        if not self.page_pieces:
+            return sK, sV
+        return (storage.sKV.get_tensor(sK_rows.outer, swizzle=sK_rows.inner),
+                storage.sKV.get_tensor(sV_rows.outer, swizzle=sV_rows.inner))
+
+    def _ring_rows(self, stage_layout: cute.ComposedLayout, cols: int, slot: int,
+                   k_major: bool):
+        """Note [Page pieces]: the K (``k_major``) or V ring as (tile_n keys, cols,
+        stages). In the MMA layouts (``make_smem_layout_b``, 128-byte swizzle) a
+        key's 64-column pieces are 128-byte rows, tile_n of them per 64 columns; the
+        stages are ``slot`` elements apart. Checked at trace time against the MMA
+        layout, read through the order of its own coordinates."""
+        tn = self.tile_n
+        rows = cute.make_layout((tn, (64, cols // 64), self.tiles.kv_stages),
+                                stride=(64, (1, tn * 64), slot))
+        one = cute.select(stage_layout.outer, mode=[0, 1, 2])
+        if k_major:  # ((keys, 16), 1, columns / 16): keys first
+            flat = cute.make_layout((tn, (16, cols // 16)), stride=(1, (tn, tn * 16)))
+        else:  # (((columns), 16 keys), 1, keys / 16): columns first
+            flat = cute.make_layout(((16, tn // 16), cols), stride=((cols, cols * 16), 1))
+        mma_rows = cute.composition(one, flat)
+        for r in (0, 7, 8, tn // 2 - 1, tn - 1):
+            for c in (0, 15, 16, 63, cols - 64, cols - 1):
+                if mma_rows((r, c)) != rows((r, c, 0)):
+                    raise ValueError(f"the ring's rows are not 128-byte rows at ({r}, {c})")
+        return cute.make_composed_layout(stage_layout.inner, 0, rows)
 
     def _kv_tile(self, tXgX, pages: tuple, n, which: int):
         """Key block n's K (which 0) or V (1) tile in global memory: of the contiguous

@@ -1429,16 +1429,20 @@ class PagedKV:
         self.sX = cute.flat_divide(sX, (self.rows, self.cols))
 
     @cute.jit
-    def load(self, pipe, state, n_block: Int32):
+    def load(self, pipe, state, n_block: Int32, tx_bytes: cutlass.Constexpr = None):
         """Block n_block into the stage of ``state``, by the whole load warp: lane j
         reads piece j's page id (before the wait for the stage), the copies take
-        them by shuffle."""
+        them by shuffle. tx_bytes: the bytes the stage's barrier expects where they
+        are not the pipeline's own (sm100: V tiles in K-sized slots)."""
         pieces = self.tile_n // self.rows
         lane_key = n_block * self.tile_n + cute.arch.lane_idx() * self.rows
         slot = cutlass.min(lane_key // self.page_size, self.table.shape[1] - 1)
         lane_page = cutlass.max(cutlass.min(self.table[self.batch, slot],
                                             self.mX.shape[3] - 1), 0)
-        pipe.producer_acquire(state)
+        if cutlass.const_expr(tx_bytes is not None):
+            pipe.producer_acquire(state, expected_tx=tx_bytes)
+        else:
+            pipe.producer_acquire(state)
         for j in cutlass.range(pieces, unroll=1):
             key = n_block * self.tile_n + j * self.rows
             page = cute.arch.shuffle_sync(lane_page, j)

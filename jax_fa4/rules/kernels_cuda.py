@@ -145,9 +145,11 @@ def _paged_operands(config: AttentionConfig, arch: str, q, k, v, masks):
     table, masks = masks[n], masks[:n] + masks[n + 1:]
     page_size = k.shape[1]
     tile_n = fwd_tile_shape(arch, q.shape[-1], v.shape[-1], True)[1]
-    # sm_100a reads pages of whole key blocks only (its boxes are MMA-partitioned).
-    if page_size_error(page_size, tile_n) is not None or (
-            arch == "sm_100a" and page_size % tile_n):
+    # sm_100a reads pages smaller than a block as rows of the 128-byte swizzle (Note
+    # [Page pieces] in kernels/sm100_fwd.py): head dims that are multiples of 64.
+    pieces_error = arch == "sm_100a" and page_size < tile_n and (
+        q.shape[-1] % 64 or v.shape[-1] % 64)
+    if page_size_error(page_size, tile_n) is not None or pieces_error:
         k, v = gather_pages(k, v, table)
         return k, v, masks, None, 0, k.shape[1]
     return k, v, masks, table, page_size, table.shape[1] * page_size
