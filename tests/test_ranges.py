@@ -227,7 +227,8 @@ def test_key_block_peel_bits_mark_parts_that_see_nothing(case, tile_n, tile_m, p
                 continue
             rows = vis[b, first * tile_m:(first + 1) * tile_m]
             for p in range(-(-tile_n // part)):
-                keys = slice(n * tile_n + p * part, min((n + 1) * tile_n, n * tile_n + (p + 1) * part))
+                start = n * tile_n + p * part
+                keys = slice(start, min((n + 1) * tile_n, start + part))
                 seen = rows[:, keys].any()
                 if bits >> p & 1:
                     assert not seen, (b, n, p)

@@ -488,8 +488,9 @@ def masked_add_rank(mWalks: cute.Tensor, batch, n_block, m_block) -> Int32:
     ``n_block``'s dQ add in query block ``m_block``'s sum under masks, the number
     of key blocks above it whose walk holds m_block (Note [Masked dQ order] in
     dq_layout.py; ``det_masked_add_rank`` on the host). mWalks: (B, num_n, 5) int32,
-    ``[first, end)`` per key block first (``key_block_ranges``). Lane l tests blocks n_block + 1 + l + 32 k, and
-    one warp reduction (redux.sync) sums the lanes' counts."""
+    ``[first, end)`` per key block first (``key_block_ranges``). Lane l tests blocks
+    n_block + 1 + l + 32 k, and one warp reduction (redux.sync) sums the lanes'
+    counts."""
     lane = cute.arch.lane_idx()
     num_n = mWalks.shape[1]
     count = Int32(0)
@@ -550,3 +551,48 @@ def check_bwd_operand_dtypes(kernel, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum
     if not (mLSElog2.element_type == mDpsum.element_type == mdQaccum.element_type
             == cutlass.Float32):
         raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
+
+
+class PagedKV:
+    """The K or V loads of one tile from a page pool (Note [Paged KV] in sm90_fwd.py,
+    Note [Page pieces] in sm100_fwd.py): ``load`` puts block n's tile_n keys into a
+    stage as tile_n / r TMA boxes of r rows, each from the page that holds them.
+    Page slots past the table's end (a block that runs past a sequence's last page)
+    read its last page, and page ids are clamped into the pool: never an
+    out-of-bounds read, and the intervals mask those keys."""
+
+    def __init__(self, mX: cute.Tensor, mPageTable: cute.Tensor, sX: cute.Tensor,
+                 atom: cute.CopyAtom, page_size: int, tile_n: int, head_kv: Int32,
+                 batch: Int32):
+        self.rows = min(page_size, tile_n)
+        self.cols = cute.size(sX, mode=[1])
+        self.page_size, self.tile_n = page_size, tile_n
+        self.mX, self.table, self.atom = mX, mPageTable, atom
+        self.head_kv, self.batch = head_kv, batch
+        # (rows, cols, pieces, 1, stages): piece j of a stage is its rows [j r, j r + r).
+        self.sX = cute.flat_divide(sX, (self.rows, self.cols))
+
+    @cute.jit
+    def load(self, pipe, state, n_block: Int32, tx_bytes: cutlass.Constexpr = None):
+        """Block n_block into the stage of ``state``, by the whole load warp: lane j
+        reads piece j's page id (before the wait for the stage), the copies take
+        them by shuffle. tx_bytes: the bytes the stage's barrier expects where they
+        are not the pipeline's own (sm100: V tiles in K-sized slots)."""
+        pieces = self.tile_n // self.rows
+        lane_key = n_block * self.tile_n + cute.arch.lane_idx() * self.rows
+        slot = cutlass.min(lane_key // self.page_size, self.table.shape[1] - 1)
+        lane_page = cutlass.max(cutlass.min(self.table[self.batch, slot],
+                                            self.mX.shape[3] - 1), 0)
+        if cutlass.const_expr(tx_bytes is not None):
+            pipe.producer_acquire(state, expected_tx=tx_bytes)
+        else:
+            pipe.producer_acquire(state)
+        for j in cutlass.range(pieces, unroll=1):
+            key = n_block * self.tile_n + j * self.rows
+            page = cute.arch.shuffle_sync(lane_page, j)
+            g = cute.local_tile(self.mX[None, None, self.head_kv, page],
+                                (self.rows, self.cols), (None, 0))
+            tXsX, tXgX = tma_tile_partition(self.atom, self.sX, g)
+            cute.copy(self.atom, tXgX[None, (key % self.page_size) // self.rows],
+                      tXsX[None, j, 0, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))

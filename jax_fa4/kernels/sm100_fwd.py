@@ -73,9 +73,10 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_fa4.config import LN_2, LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
-    kv_box_layout,
+    PagedKV,
     as_cutlass_dtype,
     check_forward_dtypes,
+    kv_box_layout,
     packed_gqa_views,
     permute,
     set_forward_extras,
@@ -85,7 +86,6 @@ from jax_fa4.kernels.cute_utils import (
 )
 from jax_fa4.kernels.exp2 import exp2_poly_x2
 from jax_fa4.kernels.mask import BlockRange, edge_walk, keep_inside
-from jax_fa4.kernels.sm90_fwd import PagedKV
 from jax_fa4.kernels.softmax import (
     RESCALE_THRESHOLD,
     cap_scores,
@@ -232,7 +232,7 @@ def kv_block_schedule(m_block, seqlen_k, causal: bool, rows_per_cta: int, tile_n
 # ~~~~~~~~~~~~~~~~~~~
 # A paged cache whose pages are smaller than a key block (Note [Paged KV] in
 # sm90_fwd.py) fills each ring slot as tile_n / page_size row boxes, one per page,
-# with sm90_fwd.py's ``PagedKV``. The MMA operand layouts of K (K-major) and V
+# with ``PagedKV`` (cute_utils.py). The MMA operand layouts of K (K-major) and V
 # (MN-major) put a key's 64 columns in one 128-byte row of the swizzle, tile_n such
 # rows per 64 columns, so the slot seen as (tile_n keys, columns) has plain rows
 # (``_ring_rows``, checked against the MMA layouts when traced), and a piece of r

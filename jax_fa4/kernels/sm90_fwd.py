@@ -41,6 +41,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jax_fa4.config import LOG2_E
 from jax_fa4.kernels.cute_utils import (
     FwdCall,
+    PagedKV,
     as_cutlass_dtype,
     check_forward_dtypes,
     consumer_release_elected,
@@ -1408,50 +1409,6 @@ class FlashFwdSm90(FwdCall):
                     mLSE[row, head, batch] = lse[r]
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     mO[row, c_o[r, c][1], head, batch] = o_mn[r, c]
-
-
-class PagedKV:
-    """The K or V loads of one tile from a page pool (Note [Paged KV]): ``load``
-    puts block n's tile_n keys into a stage as tile_n / r TMA boxes of r rows, each
-    from the page that holds them. Page slots past the table's end (a block that
-    runs past a sequence's last page) read its last page, and page ids are clamped
-    into the pool: never an out-of-bounds read, and the intervals mask those keys."""
-
-    def __init__(self, mX: cute.Tensor, mPageTable: cute.Tensor, sX: cute.Tensor,
-                 atom: cute.CopyAtom, page_size: int, tile_n: int, head_kv: Int32,
-                 batch: Int32):
-        self.rows = min(page_size, tile_n)
-        self.cols = cute.size(sX, mode=[1])
-        self.page_size, self.tile_n = page_size, tile_n
-        self.mX, self.table, self.atom = mX, mPageTable, atom
-        self.head_kv, self.batch = head_kv, batch
-        # (rows, cols, pieces, 1, stages): piece j of a stage is its rows [j r, j r + r).
-        self.sX = cute.flat_divide(sX, (self.rows, self.cols))
-
-    @cute.jit
-    def load(self, pipe, state, n_block: Int32, tx_bytes: cutlass.Constexpr = None):
-        """Block n_block into the stage of ``state``, by the whole load warp: lane j
-        reads piece j's page id (before the wait for the stage), the copies take
-        them by shuffle. tx_bytes: the bytes the stage's barrier expects where they
-        are not the pipeline's own (sm100: V tiles in K-sized slots)."""
-        pieces = self.tile_n // self.rows
-        lane_key = n_block * self.tile_n + cute.arch.lane_idx() * self.rows
-        slot = cutlass.min(lane_key // self.page_size, self.table.shape[1] - 1)
-        lane_page = cutlass.max(cutlass.min(self.table[self.batch, slot],
-                                            self.mX.shape[3] - 1), 0)
-        if cutlass.const_expr(tx_bytes is not None):
-            pipe.producer_acquire(state, expected_tx=tx_bytes)
-        else:
-            pipe.producer_acquire(state)
-        for j in cutlass.range(pieces, unroll=1):
-            key = n_block * self.tile_n + j * self.rows
-            page = cute.arch.shuffle_sync(lane_page, j)
-            g = cute.local_tile(self.mX[None, None, self.head_kv, page],
-                                (self.rows, self.cols), (None, 0))
-            tXsX, tXgX = tma_tile_partition(self.atom, self.sX, g)
-            cute.copy(self.atom, tXgX[None, (key % self.page_size) // self.rows],
-                      tXsX[None, j, 0, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state))
 
 
 class FlashFwdSm90Dynamic(FlashFwdSm90):
