@@ -49,15 +49,15 @@ the first query block of a key block's walk lies on the diagonal, and warpgroup 
 keys past seqlen_k): P^T = dS^T = 0 there. Under masks (key intervals) the same
 holds on the diagonal blocks of causal rows, windows and documents; the walk says
 which warpgroup it masks (Note [Block walks] in rules/ranges.py). With
-``BwdTiles.skip_masked_wg`` that
-item is peeled off the loop (``masked_first_item``): the masked warpgroup stores
-zeros as its half of dS^T, meets the other at the dS barrier, runs only its dQ
-GEMM and hand-off, and starts the loop at item 1. That saves 4 of the item's 10
-warpgroup GEMMs. A test inside the loop instead would cost every item a branch;
-the peeled item makes the loop start at a run-time item, and the walk then carries
-its query block from item to item (``BwdTiles.carry_coords``) rather than divide
-the item index by the number of query blocks, a division ptxas strength-reduces
-only in a loop that starts at 0.
+``BwdTiles.skip_masked_wg`` that item is peeled off the loop
+(``masked_first_item``): the masked warpgroup stores zeros as its half of dS^T,
+meets the other at the dS barrier, runs only its dQ GEMM and hand-off, and starts
+the loop at item 1. That saves 4 of the item's 10 warpgroup GEMMs. A test inside
+the loop instead would cost every item a branch; the peeled item makes the loop
+start at a run-time item, and the walk then carries its query block from item to
+item (``BwdTiles.carry_coords``) rather than divide the item index by the number
+of query blocks, a division ptxas strength-reduces only in a loop that starts at
+0.
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones
