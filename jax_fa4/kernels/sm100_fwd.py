@@ -182,10 +182,9 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2
     del causal  # same tiles for causal and not (not measured yet)
     tile_m = 128
     q_tiles = 1 if 2 * head_dim_v >= _TMEM_COLS else 2
-    # S0 and S1 take the tensor memory that O0 and O1 leave.
-    tile_n = min(128, (_TMEM_COLS - q_tiles * head_dim_v) // q_tiles)
-    if q_tiles == 1:
-        tile_n = 64
+    # Two tiles: S0 and S1 take the tensor memory that O0 and O1 leave. One tile:
+    # 64 keys, for the SMEM stages.
+    tile_n = min(128, (_TMEM_COLS - 2 * head_dim_v) // 2) if q_tiles == 2 else 64
     q_bytes = q_tiles * tile_m * head_dim * dtype_bytes
     # The ring's slots hold a K tile; V's (Dv <= D) takes one too.
     kv_tile_bytes = tile_n * head_dim * dtype_bytes
