@@ -372,9 +372,10 @@ class FlashBwdPreprocess:
             lse_log2 = Float32.inf
             if tidx < rows_left:
                 lse = mLSE[row, head, batch]
-                # A row that saw no key has LSE = -inf; 0 keeps the main kernel's
-                # exp2(s - LSElog2) at 0 instead of NaN. Cannot happen with Sk >= 1
-                # and top-left causal masking, but costs nothing.
+                # A row that saw no key (masks) has LSE = -inf; 0 keeps the main
+                # kernel's exp2(s - LSElog2) at 0 instead of NaN: every score of
+                # such a row is masked there (no key's query interval holds it), so
+                # it is exp2(-inf - 0) = 0.
                 lse_log2 = lse * LOG2_E if lse != -Float32.inf else Float32(0.0)
             mLSElog2[stat_position(row, self.stat_block), head, batch] = lse_log2
 

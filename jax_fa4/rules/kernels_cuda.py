@@ -260,9 +260,6 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
                     config.segments, config.softcap)
     mask_ops = mask_static = ()
     if config.masked:
-        # A query that sees no key has lse -inf; as +inf its P = exp2(s - lse) is 0
-        # for every score, -inf (masked) ones included, where -inf would give NaN.
-        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
         mask_ops, mask_static = _mask_operands(config, masks, q, k, keys=True,
                                                walk_tiles=plan.walk_tiles)
         # The intervals before the preprocess: scheduled between it and the main
