@@ -82,6 +82,25 @@ def test_intervals_are_the_visibility_rule(name):
 
 
 @pytest.mark.parametrize("name", list(ALL))
+def test_backward_masks_every_score_of_a_row_that_sees_nothing(name):
+    """The masked backward takes LSE as it is: a query row that sees no key has LSE
+    -inf (LSElog2 0 after the preprocess), which gives P = 0 only because the key
+    intervals (with the id compare of inexact rows) mask every one of its scores."""
+    kw = ALL[name]
+    config, masks, vis = _setup(kw)
+    lo, hi, exact = decode(np.asarray(key_ranges(config, SQ, SK, masks, B)))
+    pos = np.arange(SQ)
+    kept = (pos >= lo[..., None]) & (pos < hi[..., None])  # [B, Sk, Sq]
+    if "q_segment_ids" in kw:
+        same = kw["kv_segment_ids"][:, :, None] == kw["q_segment_ids"][:, None, :]
+        kept &= np.where(exact[..., None], True, same)
+    blind = ~vis.any(-1)  # [B, Sq]: rows that see no key
+    assert not kept.transpose(0, 2, 1)[blind].any()
+    if "lengths" in name or name.startswith("segments_causal") or name == "everything":
+        assert blind.any()  # these cases have such rows: the check is exercised
+
+
+@pytest.mark.parametrize("name", list(ALL))
 @pytest.mark.parametrize("tile,block", [(8, 4), (16, 16), (5, 7)])
 def test_block_ranges_skip_only_masked_blocks(name, tile, block):
     config, masks, vis = _setup(ALL[name])
