@@ -29,9 +29,17 @@ KERNEL_HEAD_DIMS = {
     "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
 }
 
-# Head dims whose forward has a kernel and backward none, per arch: their backward
-# runs the reference path (logged; implementation="cute" raises).
-FORWARD_ONLY_HEAD_DIMS = {"sm_100a": ((192, 128), (192, 192), (256, 256))}
+# Head dims whose forward has a kernel and backward none, per arch, with the reason:
+# their backward runs the reference path (logged; implementation="cute" raises).
+# sm_100a: one CTA's 512 tensor-memory columns hold dV and dK (2 x 192 or 2 x 256)
+# and, beside them, S^T and dP^T (128) only where dQ may take their place (Note
+# [Wide sm100 backward] in kernels/sm100_bwd.py): not at 256; at (192, 192) dQ
+# would have to go in two passes, and Q, dO, K and V (48 KiB each) leave no SMEM for
+# P^T and the dQ staging tiles. flash-attn-4 runs these on two CTAs.
+FORWARD_ONLY_HEAD_DIMS = {"sm_100a": {
+    (192, 192): "dK, dV, S^T / dP^T and dQ exceed one CTA's tensor and shared memory",
+    (256, 256): "dK and dV alone take all 512 tensor-memory columns of one CTA",
+}}
 
 # Environment override of the kernel architecture, for lowering on a machine
 # without a GPU (CI cross-compiles) or to force one target: "sm_90a" / "sm_100a".
@@ -204,9 +212,10 @@ DETERMINISTIC_BWD_HEAD_DIMS = {
 def bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:
     """Why no backward kernel of ``arch`` takes these head dims (its forward does),
     or None."""
-    if (head_dim, head_dim_v) in FORWARD_ONLY_HEAD_DIMS.get(arch, ()):
+    why = FORWARD_ONLY_HEAD_DIMS.get(arch, {}).get((head_dim, head_dim_v))
+    if why is not None:
         return (f"no {arch} backward kernel for head dims ({head_dim}, {head_dim_v}) "
-                "(the forward has one)")
+                f"(the forward has one): {why}")
     return None
 
 

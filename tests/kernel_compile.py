@@ -77,20 +77,22 @@ def lower_fwd_sm90(dtype, d: int, causal: bool, shape=(2, 113, 203, 8, 2), tiles
                  aliases=aliases, compile_options=compile_options)
 
 
-def bwd_structs(b, sq, sk, hq, hkv, d, dtype):
-    """Backward main-kernel operands, results and the dQ-accumulator alias."""
+def bwd_structs(b, sq, sk, hq, hkv, d, dtype, dv=None):
+    """Backward main-kernel operands, results and the dQ-accumulator alias (``dv``:
+    V's head dim, default ``d``)."""
     sds = jax.ShapeDtypeStruct
+    dv = d if dv is None else dv
     sq_pad = (sq + 127) // 128 * 128
-    q = sds((b, sq, hq, d), dtype)
-    kv = sds((b, sk, hkv, d), dtype)
+    q, do = sds((b, sq, hq, d), dtype), sds((b, sq, hq, dv), dtype)
+    k, v = sds((b, sk, hkv, d), dtype), sds((b, sk, hkv, dv), dtype)
     stat = sds((b, hq, sq_pad), jnp.float32)  # LSElog2 / Dpsum, padded like dQaccum
     dq_accum = sds((b, hq, sq_pad, d), jnp.float32)
-    return (q, kv, kv, q, stat, stat, dq_accum), (dq_accum, kv, kv), {6: 0}
+    return (q, k, v, do, stat, stat, dq_accum), (dq_accum, k, v), {6: 0}
 
 
 def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
               shape=(2, 113, 203, 4, 1), compile_options: str | None = None,
-              **kernel_kwargs) -> str:
+              head_dim_v: int | None = None, **kernel_kwargs) -> str:
     """Lower a backward main kernel (sm90 or sm100 class, built with
     ``kernel_kwargs`` such as use_pdl) for (B, Sq, Sk, Hq, Hkv).
 
@@ -100,7 +102,8 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
     import cutlass
 
     cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
-    ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    ins, outs, aliases = bwd_structs(*shape, head_dim, dtype, dv)
     if getattr(kernel_cls, "takes_dq_semaphores", False):
         # (B, Hq, ceil(Sq / tile_m)) int32 after mdQaccum, aliased to a 4th output.
         b, sq, _, hq, _ = shape
@@ -108,7 +111,7 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
         sem = jax.ShapeDtypeStruct((b, hq, -(-sq // tile_m)), jnp.int32)
         ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
     return lower(
-        lambda: kernel_cls(cute_dtype, head_dim, head_dim, causal, head_dim**-0.5,
+        lambda: kernel_cls(cute_dtype, head_dim, dv, causal, head_dim**-0.5,
                            **kernel_kwargs),
         arch, ins, outs, aliases, compile_options,
     )

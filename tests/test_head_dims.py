@@ -1,7 +1,8 @@
 """Head dims beyond 64 / 128 / 256: 96 (forward and backward kernels on sm_90a, and
 on sm_100a compiled, not run on hardware) and 192, (192, 128) (sm_90a forward and
-backward kernels; sm_100a forward kernels, compiled, not run on hardware, whose
-backward runs the logged reference path), and 256 on sm_100a (the same).
+backward kernels; sm_100a, compiled, not run on hardware: forward and backward
+kernels at (192, 128), forward kernels at 192 and 256, whose backward runs the
+logged reference path).
 On CPU: which kernels the lowering builds and what it logs or raises; on the GPU
 (``-m gpu``): the kernels against the f32 reference by the 2x rule, outputs
 poisoned, with GQA, odd lengths, masks and rows that see no key."""
@@ -45,12 +46,12 @@ def _structs(d, dv, hq=4, hkv=2):
             sds((2, 333, hkv, dv), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (192, 192), (256, 256)])
+@pytest.mark.parametrize("d,dv", [(192, 192), (256, 256)])
 def test_sm100_wide_head_dims_run_the_forward_kernel_and_the_reference_backward(
         monkeypatch, caplog, d, dv):
-    """sm_100a (compiled, not run on hardware) has (192, 128), 192 and 256 forward
-    kernels, plain and masked (split keys too), and no backward kernel: the
-    backward runs the reference path, logged, and implementation="cute" raises
+    """sm_100a (compiled, not run on hardware) has 192 and 256 forward kernels,
+    plain and masked (split keys too), and no backward kernel: the backward runs the
+    reference path, logged with the reason, and implementation="cute" raises
     there."""
     import logging
 
@@ -78,10 +79,28 @@ def test_sm100_wide_head_dims_run_the_forward_kernel_and_the_reference_backward(
         text = _lower(jax.grad(loss, argnums=(0, 1, 2)), *_structs(d, dv))
     assert text.count(CALL) == 1  # the forward; the backward is the reference
     assert any(f"no sm_100a backward kernel for head dims ({d}, {dv})" in r.getMessage()
-               for r in caplog.records)
+               and "tensor" in r.getMessage() for r in caplog.records)
     with pytest.raises(KernelUnavailableError, match="backward kernel"):
         _lower(jax.grad(lambda q, k, v: loss(q, k, v, "cute"), argnums=(0, 1, 2)),
                *_structs(d, dv))
+
+
+def test_sm100_mla_head_dims_run_every_kernel(monkeypatch):
+    """sm_100a (compiled, not run on hardware), DeepSeek's (192, 128): forward,
+    preprocess, backward (Note [Wide sm100 backward]) and postprocess kernels,
+    causal and masked (the walks from the lowering); deterministic raises."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
+
+    def grad(**kw):
+        return jax.grad(lambda q, k, v: jax_fa4.attention(
+            q, k, v, implementation="cute", **kw).astype(jnp.float32).sum(),
+            argnums=(0, 1, 2))
+
+    for kw in (dict(causal=True), dict(window=(64, 0))):
+        assert _lower(grad(**kw), *_structs(192, 128)).count(CALL) == 4, kw
+    with pytest.raises(ValueError, match="deterministic"):
+        _lower(grad(causal=True, deterministic=True), *_structs(192, 128))
 
 
 def test_hdim_96_runs_every_kernel(monkeypatch):

@@ -179,3 +179,44 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
     assert_semaphore_order(lines, r"UTMAREDG")
     spills = sum(ln.count("LDL") + ln.count("STL") for ln in lines)
     assert spills <= 16, f"{spills} local-memory instructions in the SASS"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("masked", [False, True])
+def test_bwd_mla_head_dims(tmp_path, masked):
+    """DeepSeek's (192, 128) (Note [Wide sm100 backward]): dV and dK in the first
+    320 tensor-memory columns, S^T, dP^T and dQ over the rest; P^T and dS^T in one
+    SMEM tile (the build is refused past the SMEM limit); per item the MMAs of S^T
+    (12 K-steps of 16), dP^T (8), dV (8), dK (8) and dQ (8); local memory as hdim
+    128's build; plain (causal) and masked (intervals and walks)."""
+    import cutlass
+    import jax
+    from kernel_compile import bwd_structs, dump_options, lower
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+
+    shape = (2, 113, 203, 4, 1)
+    ins, outs, aliases = bwd_structs(*shape, 192, jnp.bfloat16, 128)
+    if masked:  # the keys' query intervals, then the key blocks' walks
+        ins = ins + (jax.ShapeDtypeStruct((2, 203, 2), jnp.int32),
+                     jax.ShapeDtypeStruct((2, 2, 5), jnp.int32))
+
+    def make():
+        return FlashBwdSm100(cutlass.BFloat16, 192, 128, not masked, 0.1, masked=masked)
+
+    with pinned_arch("sm_100a"):
+        kernel = make()
+    assert kernel.tiles.wide and (kernel.tile_m, kernel.tile_n) == (128, 128)
+    assert (kernel.tmem_dv, kernel.tmem_dk, kernel.tmem_s, kernel.tmem_dp,
+            kernel.tmem_dq) == (0, 128, 320, 320, 320)
+    assert "custom_call" in lower(make, "sm_100a", ins, outs, aliases,
+                                  dump_options(tmp_path))
+    sass_files = glob.glob(str(tmp_path / "*.sass"))
+    if not sass_files:
+        pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
+    with open(sass_files[0]) as f:
+        sass = f.read()
+    mmas = sum(line.count("UTCHMMA") for line in sass.splitlines())
+    assert mmas == 12 + 8 + 8 + 8 + 8
+    spills = sum(line.count("LDL") + line.count("STL") for line in sass.splitlines())
+    assert spills <= 7, f"{spills} local-memory instructions in the SASS"

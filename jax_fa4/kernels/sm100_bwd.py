@@ -43,6 +43,18 @@ acquires s / dp / dq before it overwrites those TMEM columns, the compute warps
 acquire p / ds (released by tcgen05.commit once the MMAs reading them are done)
 before they overwrite sP / sdS.
 
+Note [Wide sm100 backward]: at DeepSeek's head dims (192, 128) dV (128 columns)
+and dK (192) leave 192 of the 512 tensor-memory columns, and S^T, dP^T and dQ want
+128 + 128 + 192. So dP^T is written over S^T (the MMA warp issues it once the
+compute warps have read S^T into registers, which they do first thing), and dQ
+over both, into the 64 columns after them (issued once dS is in SMEM, so once
+dP^T has been read); the next item's S^T waits for the reduce warps to have read
+dQ. In SMEM, Q, dO, K and V take 160 KiB at 128 queries and keys, so P^T and dS^T
+share one tile: dS^T is written once dV has read P^T (the p pipeline), and the
+next P^T once dK and dQ have read dS^T (the ds pipeline). Without the two Q / dO
+stages of hdim 64 no S^T runs ahead, so nothing else waits. flash-attn-4 runs
+these head dims with kernels of their own (its MLA backward).
+
 Note [Tails and masking]: TMA zero-fills Q/dO rows past seqlen_q and K/V rows
 past seqlen_k. Query rows past seqlen_q get LSElog2 = +inf (the load warp
 stores -LSElog2 = -inf, the addend of P's exponent), so P = exp2(-inf) = 0
@@ -112,6 +124,9 @@ class BwdTiles:
     regs_compute: int  # setmaxnreg of the two compute warpgroups
     regs_reduce: int  # setmaxnreg of the dQ reduce warpgroup
     regs_other: int  # setmaxnreg of the MMA / load / idle warpgroup
+    # Note [Wide sm100 backward]: dP^T in S^T's tensor-memory columns and dQ over
+    # them, P^T and dS^T in one SMEM tile (DeepSeek's (192, 128)).
+    wide: bool = False
 
 
 def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
@@ -135,7 +150,14 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
         # The MMA warp keeps 8 K-steps of 64-bit SMEM descriptors per GEMM live.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
                         regs_compute=160, regs_reduce=64, regs_other=120)
-    raise ValueError(f"sm100 backward supports head_dim 64, 96 and 128, got {head_dim}")
+    if head_dim == 192:
+        # (192, 128): hdim 128's row, in the wide arrangement (Note [Wide sm100
+        # backward]): K 48 KiB, V 32, Q 48, dO 32, P^T / dS^T 32 and two dQ staging
+        # tiles of 16 KiB: 224 KiB.
+        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
+                        regs_compute=160, regs_reduce=64, regs_other=120, wide=True)
+    raise ValueError(f"sm100 backward supports head_dim 64, 96, 128 and (192, 128), got "
+                     f"{head_dim}")
 
 
 
@@ -179,7 +201,7 @@ class FlashBwdSm100(BwdMainCall):
 
     Args:
       dtype: cutlass.BFloat16 or cutlass.Float16 (Q, K, V, dO, dK, dV).
-      head_dim, head_dim_v: 64 or 128, equal.
+      head_dim, head_dim_v: 64, 96 or 128, equal, or DeepSeek's (192, 128).
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T.
       tiles: override of the tile table row (tests only).
@@ -210,8 +232,8 @@ class FlashBwdSm100(BwdMainCall):
         softcap: float | None = None,
     ):
         self.deterministic = deterministic
-        init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v, (64, 96, 128), causal,
-                        softmax_scale, softcap)
+        init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v,
+                        (64, 96, 128, (192, 128)), causal, softmax_scale, softcap)
         set_mask_flags(self, causal, masked, segments)
         self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
         t = self.tiles
@@ -227,15 +249,24 @@ class FlashBwdSm100(BwdMainCall):
         # TMEM map (fp32 columns): S^T, dP^T, dV, dK and dQ. At hdim 128 they need
         # 640 columns, so dQ shares dP^T's: dQ is issued only after the compute
         # warps have read dP^T (the ds pipeline), and the next dP^T only after the
-        # reduce warps have read dQ (the dq pipeline).
+        # reduce warps have read dQ (the dq pipeline). Wide (Note [Wide sm100
+        # backward]): dV, dK, then S^T and dP^T in the same columns, and dQ from
+        # there to the end.
         d, dv = head_dim, head_dim_v
-        self.tmem_s = 0
-        self.tmem_dp = self.tmem_s + self.tile_m
-        self.tmem_dv = self.tmem_dp + self.tile_m
-        self.tmem_dk = self.tmem_dv + dv
-        self.dq_aliases_dp = self.tmem_dk + d + d > _TMEM_COLS
-        self.tmem_dq = self.tmem_dp if self.dq_aliases_dp else self.tmem_dk + d
-        assert max(self.tmem_dk + d, self.tmem_dq + d) <= _TMEM_COLS
+        self.wide = t.wide
+        if self.wide:
+            self.tmem_dv = 0
+            self.tmem_dk = self.tmem_dv + dv
+            self.tmem_s = self.tmem_dp = self.tmem_dq = self.tmem_dk + d
+            self.dq_aliases_dp = False
+        else:
+            self.tmem_s = 0
+            self.tmem_dp = self.tmem_s + self.tile_m
+            self.tmem_dv = self.tmem_dp + self.tile_m
+            self.tmem_dk = self.tmem_dv + dv
+            self.dq_aliases_dp = self.tmem_dk + d + d > _TMEM_COLS
+            self.tmem_dq = self.tmem_dp if self.dq_aliases_dp else self.tmem_dk + d
+        assert max(self.tmem_dk + d, self.tmem_dq + d, self.tmem_s + self.tile_m) <= _TMEM_COLS
         log.debug("FlashBwdSm100 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -325,6 +356,10 @@ class FlashBwdSm100(BwdMainCall):
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
             cute.select(sdQ_layout, mode=[0, 1]), (tm, dq_cols))
 
+        # Wide: dS^T is written into P^T's tile (Note [Wide sm100 backward]), which
+        # needs the two operand layouts to be one.
+        assert not self.wide or str(sdSt_layout) == str(sPt_layout)
+        sdS_elems = 8 if self.wide else cute.cosize(sdSt_layout)
         bytes_qdo = (cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1, 2]))
                      + cute.size_in_bytes(dt, cute.select(sdO_layout, mode=[0, 1, 2])))
         bytes_kv = cute.size_in_bytes(dt, sK_layout) + cute.size_in_bytes(dt, sV_layout)
@@ -348,7 +383,7 @@ class FlashBwdSm100(BwdMainCall):
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sPt_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdSt_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, sdS_elems], 1024]
             sdQ: cute.struct.Align[
                 cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
@@ -481,7 +516,8 @@ class FlashBwdSm100(BwdMainCall):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sPt = storage.sP.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
-        sdSt = storage.sdS.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)
+        sdSt = (storage.sP if const_expr(self.wide) else storage.sdS).get_tensor(
+            sdSt_layout.outer, swizzle=sdSt_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, st)))
         sDpsum = storage.sDpsum.get_tensor(cute.make_layout((tm, st)))
@@ -643,6 +679,7 @@ class FlashBwdSm100(BwdMainCall):
         # qdo_state the item whose remaining GEMMs run. (With one stage the next
         # Q cannot arrive before this item's dK has released the stage.)
         lookahead = self.tiles.stages_qdo >= 2
+        assert not (lookahead and self.wide)  # the next S^T would overwrite dQ
         qdo_next = pipeline.make_pipeline_state(Consumer, self.tiles.stages_qdo)
         if num_iters > 0:
             pipe_kv.consumer_wait(pipeline.make_pipeline_state(Consumer, 1))
@@ -660,14 +697,20 @@ class FlashBwdSm100(BwdMainCall):
             accumulate = it > 0
             if const_expr(not lookahead):
                 pipe_qdo.consumer_wait(qdo_state)
-                # S^T: the compute warps have read the previous S^T (s released).
+                # S^T: the compute warps have read the previous S^T (s released);
+                # wide, the reduce warps the previous dQ, in the same columns.
                 pipe_s.producer_acquire(s_state)
+                if const_expr(self.wide):
+                    pipe_dq.producer_acquire(dq_state)
                 _umma(mma_s, tS, tSrK, tSrQ[None, None, None, qdo_state.index], False)
                 pipe_s.producer_commit(s_state)
                 s_state.advance()
             stage = qdo_state.index
             # dP^T: previous dP^T read (dp released) and, when dQ shares its
-            # columns, the previous dQ read by the reduce warps.
+            # columns, the previous dQ read by the reduce warps; wide, this S^T read
+            # by the compute warps (dP^T takes its columns).
+            if const_expr(self.wide):
+                pipe_s.producer_acquire(s_state)
             pipe_dp.producer_acquire(dp_state)
             if const_expr(self.dq_aliases_dp):
                 pipe_dq.producer_acquire(dq_state)
@@ -692,7 +735,7 @@ class FlashBwdSm100(BwdMainCall):
             # dK += dS^T Q and dQ = dS K once dS is in SMEM.
             pipe_ds.consumer_wait(ds_state)
             _umma(mma_dk, tdK, tdKrdS, tdKrQ[None, None, None, stage], accumulate)
-            if const_expr(not self.dq_aliases_dp):
+            if const_expr(not (self.dq_aliases_dp or self.wide)):
                 pipe_dq.producer_acquire(dq_state)
             _umma(mma_dq, tdQ, tdQrdS, tdQrK, False)
             pipe_dq.producer_commit(dq_state)
@@ -846,8 +889,11 @@ class FlashBwdSm100(BwdMainCall):
                     g = cute.arch.fma_packed_f32x2((-t[0], -t[1]), t, (1.0, 1.0))
                     rS[2 * v], rS[2 * v + 1] = cute.arch.mul_packed_f32x2(
                         (rS[2 * v], rS[2 * v + 1]), g)
-            # sP is free once the previous dV has read it.
+            # sP is free once the previous dV has read it; wide, once the previous dK
+            # and dQ have read the dS^T it shares the tile with.
             pipe_p.producer_acquire(p_state)
+            if const_expr(self.wide):
+                pipe_ds.producer_acquire(ds_state)
             self._store_row(rP, sPt_rc, row_n, wg, half)
             # Generic-proxy SMEM writes must be visible to the async proxy (tcgen05).
             cute.arch.fence_view_async_shared()
@@ -856,8 +902,12 @@ class FlashBwdSm100(BwdMainCall):
 
             # dS = P * (dP - Dpsum), 32 columns at a time.
             pipe_dp.consumer_wait(dp_state)
-            # sdS is free once the previous dK and dQ have read it.
-            pipe_ds.producer_acquire(ds_state)
+            if const_expr(self.wide):
+                # dS^T goes where P^T is, once this dV has read it.
+                pipe_p.producer_acquire(p_state)
+            else:
+                # sdS is free once the previous dK and dQ have read it.
+                pipe_ds.producer_acquire(ds_state)
             for c in cutlass.range_constexpr(half // dp_cols):
                 tdP_c = cute.local_tile(tdP_h, (tn, dp_cols), (0, c))
                 rdP = cute.make_rmem_tensor(

@@ -77,7 +77,7 @@ class BwdPlan:
     # The deterministic main kernel orders its dQ adds with one int32 semaphore
     # per (batch, head, query block of this many rows), zero at launch; else 0.
     sem_tile_m: int
-    # A masked main kernel at head dims up to 128 takes its walks
+    # A masked main kernel at head dims up to 128 (sm_100a: at every one) takes its walks
     # (``key_block_ranges`` over blocks of (keys, queries); Note [Block walks] in
     # rules/ranges.py; the deterministic ones rank their dQ adds by them); else
     # None.
@@ -230,7 +230,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         stat_block = stats_thread_block(head_dim, causal, masked) or 0
         dq_tile_m = dq_accum_flat_tile_m(head_dim, causal, masked) or 0
     sem_tile_m, walk_tiles = 0, None
-    if head_dim in (64, 96, 128) and (masked or deterministic):
+    if (head_dim in (64, 96, 128) or arch == "sm_100a") and (masked or deterministic):
         if arch == "sm_90a":
             from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
