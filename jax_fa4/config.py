@@ -31,13 +31,10 @@ KERNEL_HEAD_DIMS = {
 
 # Head dims whose forward has a kernel and backward none, per arch, with the reason:
 # their backward runs the reference path (logged; implementation="cute" raises).
-# sm_100a: one CTA's 512 tensor-memory columns hold dV and dK (2 x 192 or 2 x 256)
-# and, beside them, S^T and dP^T (128) only where dQ may take their place (Note
-# [Wide sm100 backward] in kernels/sm100_bwd.py): not at 256; at (192, 192) dQ
-# would have to go in two passes, and Q, dO, K and V (48 KiB each) leave no SMEM for
-# P^T and the dQ staging tiles. flash-attn-4 runs these on two CTAs.
+# sm_100a at 256: dV and dK alone take one CTA's 512 tensor-memory columns, leaving
+# none for S^T, dP^T and dQ (Note [Wide sm100 backward] in kernels/sm100_bwd.py);
+# flash-attn-4 runs this head dim on two CTAs.
 FORWARD_ONLY_HEAD_DIMS = {"sm_100a": {
-    (192, 192): "dK, dV, S^T / dP^T and dQ exceed one CTA's tensor and shared memory",
     (256, 256): "dK and dV alone take all 512 tensor-memory columns of one CTA",
 }}
 

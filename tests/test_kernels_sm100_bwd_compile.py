@@ -85,7 +85,7 @@ def test_bwd_ptx_sass(tmp_path, head_dim):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("head_dim", [128])  # hdim 64's tiles are the same construction
+@pytest.mark.parametrize("head_dim", [128, 192])  # hdim 64's: the same construction
 def test_operand_views_alias(head_dim):
     """Every SMEM tile is written once and read by two MMAs through two layouts
     (K-major and MN-major, or the compute warps' (key, query) view): check on a
@@ -182,13 +182,16 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
 
 
 @needs_cutlass
-@pytest.mark.parametrize("masked", [False, True])
-def test_bwd_mla_head_dims(tmp_path, masked):
-    """DeepSeek's (192, 128) (Note [Wide sm100 backward]): dV and dK in the first
-    320 tensor-memory columns, S^T, dP^T and dQ over the rest; P^T and dS^T in one
-    SMEM tile (the build is refused past the SMEM limit); per item the MMAs of S^T
-    (12 K-steps of 16), dP^T (8), dV (8), dK (8) and dQ (8); local memory as hdim
-    128's build; plain (causal) and masked (intervals and walks)."""
+@pytest.mark.parametrize("dv,masked", [(128, False), (128, True), (192, False), (192, True)])
+def test_bwd_head_dim_192(tmp_path, dv, masked):
+    """Head dim 192 and DeepSeek's (192, 128) (Note [Wide sm100 backward]): dV and dK
+    in the first tensor-memory columns, S^T, dP^T and dQ over the rest (dQ in two
+    passes, 128 + 64 columns, at 192); P^T and dS^T in one SMEM tile (the build is
+    refused past the SMEM limit); per item the MMAs of S^T and dP^T (K-steps of 16
+    over 192 / dv), dV, dK and dQ (8 each, twice for dQ at 192); at 192 dQ leaves by
+    vector red.global.add from registers (no staging tile, no TMA reduce); plain
+    (causal) and masked (intervals and walks). Local memory: hdim 128's 7
+    instructions at (192, 128), at most 29 at 192 (the reduce warps' loop values)."""
     import cutlass
     import jax
     from kernel_compile import bwd_structs, dump_options, lower
@@ -196,19 +199,21 @@ def test_bwd_mla_head_dims(tmp_path, masked):
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
 
     shape = (2, 113, 203, 4, 1)
-    ins, outs, aliases = bwd_structs(*shape, 192, jnp.bfloat16, 128)
+    ins, outs, aliases = bwd_structs(*shape, 192, jnp.bfloat16, dv)
     if masked:  # the keys' query intervals, then the key blocks' walks
         ins = ins + (jax.ShapeDtypeStruct((2, 203, 2), jnp.int32),
                      jax.ShapeDtypeStruct((2, 2, 5), jnp.int32))
 
     def make():
-        return FlashBwdSm100(cutlass.BFloat16, 192, 128, not masked, 0.1, masked=masked)
+        return FlashBwdSm100(cutlass.BFloat16, 192, dv, not masked, 0.1, masked=masked)
 
     with pinned_arch("sm_100a"):
         kernel = make()
     assert kernel.tiles.wide and (kernel.tile_m, kernel.tile_n) == (128, 128)
     assert (kernel.tmem_dv, kernel.tmem_dk, kernel.tmem_s, kernel.tmem_dp,
-            kernel.tmem_dq) == (0, 128, 320, 320, 320)
+            kernel.tmem_dq) == (0, dv, dv + 192, dv + 192, dv + 192)
+    assert kernel.dq_passes == (((0, 192),) if dv == 128 else ((0, 128), (128, 64)))
+    assert kernel.tiles.dq_direct == (dv == 192)
     assert "custom_call" in lower(make, "sm_100a", ins, outs, aliases,
                                   dump_options(tmp_path))
     sass_files = glob.glob(str(tmp_path / "*.sass"))
@@ -216,7 +221,55 @@ def test_bwd_mla_head_dims(tmp_path, masked):
         pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
     with open(sass_files[0]) as f:
         sass = f.read()
-    mmas = sum(line.count("UTCHMMA") for line in sass.splitlines())
-    assert mmas == 12 + 8 + 8 + 8 + 8
-    spills = sum(line.count("LDL") + line.count("STL") for line in sass.splitlines())
-    assert spills <= 7, f"{spills} local-memory instructions in the SASS"
+    lines = sass.splitlines()
+    mmas = sum(line.count("UTCHMMA") for line in lines)
+    assert mmas == 12 + dv // 16 + 8 + 8 + 8 * len(kernel.dq_passes)
+    reds = sum("REDG.E.ADD.F32x4" in line for line in lines)
+    tma_reduces = sum("UTMAREDG" in line for line in lines)
+    if dv == 192:
+        assert (reds, tma_reduces) == (192 // 4, 0)  # one vector red per 4 columns
+    else:
+        assert reds == 0 and tma_reduces > 0
+    spills = sum(line.count("LDL") + line.count("STL") for line in lines)
+    assert spills <= (7 if dv == 128 else 29), f"{spills} local-memory instructions"
+
+
+@needs_cutlass
+def test_dq_pass_views_alias_k():
+    """At 192 each dQ pass reads K^T's rows [c0, c0 + width) through a layout of its
+    own width at c0 * tile_n elements from K (``_dq_pass_views``): every element of
+    the pass view is where the whole tile's K^T layout puts it, and the swizzle is
+    the same."""
+    with pinned_arch("sm_100a"):
+        _check_dq_pass_views()
+
+
+def _check_dq_pass_views() -> None:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+
+    @cute.jit
+    def check():
+        kernel = FlashBwdSm100(cutlass.BFloat16, 192, 192, True, 0.1)
+        (_, _, _, _, mdq), tl = kernel._tiled_mmas()
+        dt, tn = cutlass.BFloat16, kernel.tile_n
+        full = sm100_utils.make_smem_layout_b(mdq, tl["dq"], dt, 1)
+        o_full = cute.slice_(full.outer, (None, None, None, 0))
+        c_full = mdq.get_slice(0).partition_B(cute.make_identity_tensor((192, tn)))
+        where = {}
+        for i in cutlass.range_constexpr(cute.size(o_full)):
+            where[c_full[i]] = o_full(i)
+        for c0, w in kernel.dq_passes:
+            mma = kernel._dq_mma(w)
+            lw = sm100_utils.make_smem_layout_b(mma, (kernel.tile_m, w, tn), dt, 1)
+            assert str(lw.inner) == str(full.inner)
+            o = cute.slice_(lw.outer, (None, None, None, 0))
+            c = mma.get_slice(0).partition_B(cute.make_identity_tensor((w, tn)))
+            for i in cutlass.range_constexpr(cute.size(o)):
+                r, k = c[i]
+                assert where[(r + c0, k)] == o(i) + c0 * tn
+
+    cute.compile(check)

@@ -52,8 +52,13 @@ dP^T has been read); the next item's S^T waits for the reduce warps to have read
 dQ. In SMEM, Q, dO, K and V take 160 KiB at 128 queries and keys, so P^T and dS^T
 share one tile: dS^T is written once dV has read P^T (the p pipeline), and the
 next P^T once dK and dQ have read dS^T (the ds pipeline). Without the two Q / dO
-stages of hdim 64 no S^T runs ahead, so nothing else waits. flash-attn-4 runs
-these head dims with kernels of their own (its MLA backward).
+stages of hdim 64 no S^T runs ahead, so nothing else waits. At 192, dV and dK leave
+128 columns: dQ goes in two passes over them (``dq_passes``: head-dim columns 0-127,
+then 128-191, each a whole number of K^T's 64-row atoms), the second once the
+reduce warps have read the first; and Q, dO, K and V take 192 KiB, which leaves no
+room for the dQ staging tiles, so the reduce warps add dQ rows from registers with
+vector red.global.add (``BwdTiles.dq_direct``). flash-attn-4 runs (192, 128) with a
+kernel of its own (its MLA backward) and has no sm100 backward at 192.
 
 Note [Tails and masking]: TMA zero-fills Q/dO rows past seqlen_q and K/V rows
 past seqlen_k. Query rows past seqlen_q get LSElog2 = +inf (the load warp
@@ -125,11 +130,14 @@ class BwdTiles:
     regs_reduce: int  # setmaxnreg of the dQ reduce warpgroup
     regs_other: int  # setmaxnreg of the MMA / load / idle warpgroup
     # Note [Wide sm100 backward]: dP^T in S^T's tensor-memory columns and dQ over
-    # them, P^T and dS^T in one SMEM tile (DeepSeek's (192, 128)).
+    # them, P^T and dS^T in one SMEM tile (head dim 192).
     wide: bool = False
+    # dQ rows reduce-added from registers into the fp32 accumulator (red.global.add)
+    # instead of through SMEM staging tiles and TMA (192, 192): no staging SMEM.
+    dq_direct: bool = False
 
 
-def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
+def bwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None = None) -> BwdTiles:
     """The tile table, keyed by head dim (FA4's 1-CTA sm100 choices, adapted).
 
     SMEM per stage of Q + dO is 32 KB at hdim 64 and 64 KB at hdim 128; with K, V,
@@ -150,13 +158,19 @@ def bwd_tiles(head_dim: int, causal: bool) -> BwdTiles:
         # The MMA warp keeps 8 K-steps of 64-bit SMEM descriptors per GEMM live.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
                         regs_compute=160, regs_reduce=64, regs_other=120)
+    if head_dim == 192 and head_dim_v == 192:
+        # The wide arrangement (Note [Wide sm100 backward]): K, V, Q, dO 48 KiB each
+        # and P^T / dS^T 32 KiB leave no room for a dQ staging tile.
+        return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=1,
+                        regs_compute=160, regs_reduce=72, regs_other=120, wide=True,
+                        dq_direct=True)
     if head_dim == 192:
         # (192, 128): hdim 128's row, in the wide arrangement (Note [Wide sm100
         # backward]): K 48 KiB, V 32, Q 48, dO 32, P^T / dS^T 32 and two dQ staging
         # tiles of 16 KiB: 224 KiB.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
                         regs_compute=160, regs_reduce=64, regs_other=120, wide=True)
-    raise ValueError(f"sm100 backward supports head_dim 64, 96, 128 and (192, 128), got "
+    raise ValueError(f"sm100 backward supports head_dim 64, 96, 128 and 192, got "
                      f"{head_dim}")
 
 
@@ -201,7 +215,7 @@ class FlashBwdSm100(BwdMainCall):
 
     Args:
       dtype: cutlass.BFloat16 or cutlass.Float16 (Q, K, V, dO, dK, dV).
-      head_dim, head_dim_v: 64, 96 or 128, equal, or DeepSeek's (192, 128).
+      head_dim, head_dim_v: 64, 96, 128 or 192, equal, or DeepSeek's (192, 128).
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T.
       tiles: override of the tile table row (tests only).
@@ -233,11 +247,14 @@ class FlashBwdSm100(BwdMainCall):
     ):
         self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v,
-                        (64, 96, 128, (192, 128)), causal, softmax_scale, softcap)
+                        (64, 96, 128, 192, (192, 128)), causal, softmax_scale, softcap)
         set_mask_flags(self, causal, masked, segments)
-        self.tiles = bwd_tiles(head_dim, causal) if tiles is None else tiles
+        self.tiles = bwd_tiles(head_dim, causal, self.head_dim_v) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        if deterministic and t.dq_direct:
+            raise ValueError("the deterministic sm100 backward orders TMA reduce-adds: "
+                             "no build without the dQ staging tiles")
         # One TMEM lane per key / per query row, two compute warpgroups split the
         # tile_m columns of S^T and dP^T, and the dK/dV columns in the epilogue.
         assert self.tile_m == 128 and self.tile_n == 128
@@ -266,7 +283,13 @@ class FlashBwdSm100(BwdMainCall):
             self.tmem_dk = self.tmem_dv + dv
             self.dq_aliases_dp = self.tmem_dk + d + d > _TMEM_COLS
             self.tmem_dq = self.tmem_dp if self.dq_aliases_dp else self.tmem_dk + d
-        assert max(self.tmem_dk + d, self.tmem_dq + d, self.tmem_s + self.tile_m) <= _TMEM_COLS
+        # dQ in passes of whole 64-column atoms of K^T (Note [Wide sm100 backward]):
+        # one, unless the columns from tmem_dq on do not hold d.
+        room = (_TMEM_COLS - self.tmem_dq) // 64 * 64
+        self.dq_passes = tuple((c, min(room, d - c)) for c in range(0, d, room))
+        assert len(self.dq_passes) == 1 or t.dq_direct
+        assert max(self.tmem_dk + d, self.tmem_s + self.tile_m) <= _TMEM_COLS
+        assert self.tmem_dq + self.dq_passes[0][1] <= _TMEM_COLS
         log.debug("FlashBwdSm100 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -352,40 +375,33 @@ class FlashBwdSm100(BwdMainCall):
             tma_load, mV, sV_layout, tl["dp"], mma_dp)
         tma_dO, gmem_dO = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load, mdO, cute.select(sdO_layout, mode=[0, 1, 2]), tl["dp"], mma_dp)
-        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
-            cute.select(sdQ_layout, mode=[0, 1]), (tm, dq_cols))
+        tma_dQ, gmem_dQ = None, mdQaccum  # dq_direct: red.global.add from registers
+        if const_expr(not self.tiles.dq_direct):
+            tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                cute.select(sdQ_layout, mode=[0, 1]), (tm, dq_cols))
 
         # Wide: dS^T is written into P^T's tile (Note [Wide sm100 backward]), which
         # needs the two operand layouts to be one.
         assert not self.wide or str(sdSt_layout) == str(sPt_layout)
-        sdS_elems = 8 if self.wide else cute.cosize(sdSt_layout)
         bytes_qdo = (cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1, 2]))
                      + cute.size_in_bytes(dt, cute.select(sdO_layout, mode=[0, 1, 2])))
         bytes_kv = cute.size_in_bytes(dt, sK_layout) + cute.size_in_bytes(dt, sV_layout)
 
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            mbar_lse: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            mbar_s: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_dp: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_p: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_ds: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_dq: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_dkv: cute.struct.MemRange[cutlass.Int64, 2]
-            tmem_addr: Int32
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 16]
-            sDpsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 16]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sPt_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dt, sdS_elems], 1024]
-            sdQ: cute.struct.Align[
-                cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+        mr, al = cute.struct.MemRange, cute.struct.Align
+        fields = {f"mbar_{n}": mr[cutlass.Int64, 2] for n in ("kv", "qdo", "lse", "s", "dp",
+                                                              "p", "ds", "dq", "dkv")}
+        fields["mbar_qdo"] = fields["mbar_lse"] = mr[cutlass.Int64, 2 * st]
+        fields["tmem_addr"] = Int32
+        fields["sLSE"] = fields["sDpsum"] = al[mr[Float32, tm * st], 16]
+        for name, layout in (("sK", sK_layout), ("sV", sV_layout), ("sQ", sQ_layout),
+                             ("sdO", sdO_layout), ("sP", sPt_layout), ("sdS", sdSt_layout)):
+            fields[name] = al[mr[dt, cute.cosize(layout)], 1024]
+        if const_expr(self.wide):
+            del fields["sdS"]  # dS^T goes into sP
+        if const_expr(not self.tiles.dq_direct):
+            fields["sdQ"] = al[mr[Float32, cute.cosize(sdQ_layout)], 1024]
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         if const_expr(SharedStorage.size_in_bytes() > _SMEM_BYTES):
             raise ValueError(f"sm100 backward needs {SharedStorage.size_in_bytes()} bytes of "
@@ -462,7 +478,8 @@ class FlashBwdSm100(BwdMainCall):
 
         if warp_idx == _LOAD_WARP:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_dQ):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -518,7 +535,9 @@ class FlashBwdSm100(BwdMainCall):
         sPt = storage.sP.get_tensor(sPt_layout.outer, swizzle=sPt_layout.inner)
         sdSt = (storage.sP if const_expr(self.wide) else storage.sdS).get_tensor(
             sdSt_layout.outer, swizzle=sdSt_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = None
+        if const_expr(not self.tiles.dq_direct):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, st)))
         sDpsum = storage.sDpsum.get_tensor(cute.make_layout((tm, st)))
 
@@ -577,9 +596,13 @@ class FlashBwdSm100(BwdMainCall):
             cute.arch.setmaxregister_decrease(self.tiles.regs_reduce)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.reduce_dq(mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
-                           n_block, num_n_blocks, head_kv, batch, group_size, m_block_min,
-                           num_m, num_iters, mWalks)
+            if const_expr(self.tiles.dq_direct):
+                self.reduce_dq_direct(mdQaccum, sK, tmem_ptr, pipe_dq, tidx, head_kv, batch,
+                                      group_size, m_block_min, num_m, num_iters)
+            else:
+                self.reduce_dq(mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq,
+                               tidx, n_block, num_n_blocks, head_kv, batch, group_size,
+                               m_block_min, num_m, num_iters, mWalks)
             tmem_bar.arrive()
 
     # ------------------------------------------------------------------ load warp
@@ -659,6 +682,12 @@ class FlashBwdSm100(BwdMainCall):
         tdKrQ = mma_dk.make_fragment_B(sQt)
         tdQrdS = mma_dq.make_fragment_A(sdS)
         tdQrK = mma_dq.make_fragment_B(sKt)
+        dq_passes = []
+        if const_expr(len(self.dq_passes) > 1):
+            for c0, w in self.dq_passes:
+                mma_p, sdS_p, sKt_p = self._dq_pass_views(sdS, sK, c0, w)
+                dq_passes.append((mma_p, self._tmem_acc(mma_p, tmem_ptr, self.tmem_dq, (tm, w)),
+                                  mma_p.make_fragment_A(sdS_p), mma_p.make_fragment_B(sKt_p)))
         tS = self._tmem_acc(mma_s, tmem_ptr, self.tmem_s, (tn, tm))
         tdP = self._tmem_acc(mma_dp, tmem_ptr, self.tmem_dp, (tn, tm))
         tdV = self._tmem_acc(mma_dv, tmem_ptr, self.tmem_dv, (tn, dv))
@@ -737,9 +766,19 @@ class FlashBwdSm100(BwdMainCall):
             _umma(mma_dk, tdK, tdKrdS, tdKrQ[None, None, None, stage], accumulate)
             if const_expr(not (self.dq_aliases_dp or self.wide)):
                 pipe_dq.producer_acquire(dq_state)
-            _umma(mma_dq, tdQ, tdQrdS, tdQrK, False)
-            pipe_dq.producer_commit(dq_state)
-            dq_state.advance()
+            if const_expr(len(self.dq_passes) == 1):
+                _umma(mma_dq, tdQ, tdQrdS, tdQrK, False)
+                pipe_dq.producer_commit(dq_state)
+                dq_state.advance()
+            else:
+                # dQ's column passes into the same TMEM columns, each once the reduce
+                # warps have read the one before (the first acquired before S^T).
+                for p, (mma_p, tdQ_p, tdQrdS_p, tdQrK_p) in enumerate(dq_passes):
+                    if const_expr(p > 0):
+                        pipe_dq.producer_acquire(dq_state)
+                    _umma(mma_p, tdQ_p, tdQrdS_p, tdQrK_p, False)
+                    pipe_dq.producer_commit(dq_state)
+                    dq_state.advance()
             pipe_ds.consumer_release(ds_state)
             ds_state.advance()
             pipe_qdo.consumer_release(qdo_state)
@@ -993,6 +1032,70 @@ class FlashBwdSm100(BwdMainCall):
                 for j in cutlass.range_constexpr(cute.size(rX)):
                     gX[tc[j]] = rX[j]
 
+    def _dq_mma(self, width: int):
+        """The tiled MMA of one dQ pass, dQ[:, c0 : c0 + width] = dS K[:, c0 : c0 + width]
+        (``_tiled_mmas``' dQ MMA at that width)."""
+        MN = cute.nvgpu.OperandMajorMode.MN
+        return sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, tcgen05.CtaGroup.ONE, (self.tile_m, width))
+
+    def _dq_pass_views(self, sdS, sK, c0: int, width: int):
+        """(MMA, dS, K^T[c0 : c0 + width]) of one dQ pass: K^T's MN-major layout keeps
+        each 64-row atom of the head dim in its own tile_n x 64 block, so the pass's
+        rows are the pass-width layout at c0 * tile_n elements from K's start
+        (checked in tests/test_kernels_sm100_bwd_compile.py)."""
+        tm, tn, dt = self.tile_m, self.tile_n, self.dtype
+        mma = self._dq_mma(width)
+        kt = cute.slice_(sm100_utils.make_smem_layout_b(mma, (tm, width, tn), dt, 1),
+                         (None, None, None, 0))
+        ds = cute.slice_(sm100_utils.make_smem_layout_a(mma, (tm, width, tn), dt, 1),
+                         (None, None, None, 0))
+        sKt = cute.make_tensor(cute.recast_ptr(sK.iterator + c0 * tn, kt.inner, dtype=dt),
+                               kt.outer)
+        return mma, _as_view(sdS, ds), sKt
+
+    @cute.jit
+    def reduce_dq_direct(self, mdQaccum, sK, tmem_ptr, pipe_dq, tidx, head_kv, batch,
+                         group_size, m_block_min, num_m, num_iters):
+        """Warps 0-3 (``BwdTiles.dq_direct``): per work item and dQ pass, dQ (TMEM,
+        lane = query row) in dq_cols-column chunks -> registers -> red.global.add into
+        mdQaccum (fp32, the plain (Sq_pad, D, Hq, B) view): no SMEM staging. Thread t
+        adds row t of the query block."""
+        tm, d, ncol = self.tile_m, self.head_dim, self.tiles.dq_cols
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for it in cutlass.range(num_iters, unroll=1):
+            h_off = it // num_m
+            m_block = m_block_min + it - h_off * num_m
+            head_q = head_kv * group_size + h_off
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
+            for c0, w in self.dq_passes:
+                tdQ = self._tmem_acc(self._dq_mma(w), tmem_ptr, self.tmem_dq, (tm, w))
+                tdQ2 = tdQ[(None, None), 0, 0]
+                cdQ = cute.make_identity_tensor((tm, w))
+                t2r = tcgen05.make_tmem_copy(ld_atom, cute.local_tile(tdQ2, (tm, ncol), (0, 0)))
+                thr_t2r = t2r.get_slice(tidx)
+                pipe_dq.consumer_wait(dq_state)
+                for c in cutlass.range_constexpr(w // ncol):
+                    tc = thr_t2r.partition_D(cute.local_tile(cdQ, (tm, ncol), (0, c)))
+                    rdQ = cute.make_rmem_tensor(tc.shape, Float32)
+                    cute.copy(thr_t2r, thr_t2r.partition_S(cute.local_tile(tdQ2, (tm, ncol),
+                                                                           (0, c))), rdQ)
+                    cute.arch.fence_view_async_tmem_load()
+                    if const_expr(c == w // ncol - 1):
+                        # All of this pass is in registers: the MMA may overwrite it.
+                        pipe_dq.consumer_release(dq_state)
+                    # Register j holds column j of the chunk (32x32b loads return a
+                    # lane's columns in order), D contiguous in the accumulator.
+                    row = gdQ[tc[0][0], None]
+                    base = row.iterator + cute.crd2idx(c0 + c * ncol, row.layout)
+                    for q in cutlass.range_constexpr(ncol // 4):
+                        four = cute.make_tensor(rdQ.iterator + 4 * q, cute.make_layout(4))
+                        cute.arch.red(base + 4 * q, four.load().ir_value(), op="add",
+                                      dtype=Float32, sem="relaxed", scope="gpu")
+                dq_state.advance()
+
     # ---------------------------------------------------------- dQ reduce warps
     @cute.jit
     def reduce_dq(self, mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq, tidx,
@@ -1091,7 +1194,7 @@ class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
     def __init__(self, dtype, head_dim, head_dim_v=None, causal=False, softmax_scale=None,
                  tiles=None, masked=False, segments=False, softcap=None):
         if tiles is None:
-            tiles = bwd_tiles(head_dim, causal)
+            tiles = bwd_tiles(head_dim, causal, head_dim_v)
             if head_dim > 64:
                 # The semaphore's address and rank: the reduce warps take the 8
                 # registers per thread the hdim 128 split leaves free (2 x 160 +

@@ -238,7 +238,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         else:
             from jax_fa4.kernels.sm100_bwd import bwd_tiles
 
-            tiles = bwd_tiles(head_dim, causal)
+            tiles = bwd_tiles(head_dim, causal, head_dim_v)
             tile_m, tile_n = tiles.tile_m, tiles.tile_n
         if deterministic:
             sem_tile_m = tile_m
