@@ -597,7 +597,7 @@ class FlashBwdSm100(BwdMainCall):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if const_expr(self.tiles.dq_direct):
-                self.reduce_dq_direct(mdQaccum, sK, tmem_ptr, pipe_dq, tidx, head_kv, batch,
+                self.reduce_dq_direct(mdQaccum, tmem_ptr, pipe_dq, tidx, head_kv, batch,
                                       group_size, m_block_min, num_m, num_iters)
             else:
                 self.reduce_dq(mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq,
@@ -1055,8 +1055,8 @@ class FlashBwdSm100(BwdMainCall):
         return mma, _as_view(sdS, ds), sKt
 
     @cute.jit
-    def reduce_dq_direct(self, mdQaccum, sK, tmem_ptr, pipe_dq, tidx, head_kv, batch,
-                         group_size, m_block_min, num_m, num_iters):
+    def reduce_dq_direct(self, mdQaccum, tmem_ptr, pipe_dq, tidx, head_kv, batch, group_size,
+                         m_block_min, num_m, num_iters):
         """Warps 0-3 (``BwdTiles.dq_direct``): per work item and dQ pass, dQ (TMEM,
         lane = query row) in dq_cols-column chunks -> registers -> red.global.add into
         mdQaccum (fp32, the plain (Sq_pad, D, Hq, B) view): no SMEM staging. Thread t
