@@ -158,7 +158,7 @@ def bwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None = None) -> Bwd
         # The MMA warp keeps 8 K-steps of 64-bit SMEM descriptors per GEMM live.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
                         regs_compute=160, regs_reduce=64, regs_other=120)
-    if head_dim == 192 and head_dim_v == 192:
+    if head_dim == 192 and head_dim_v in (None, 192):  # None: head_dim_v = head_dim
         # The wide arrangement (Note [Wide sm100 backward]): K, V, Q, dO 48 KiB each
         # and P^T / dS^T 32 KiB leave no room for a dQ staging tile.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=1,
