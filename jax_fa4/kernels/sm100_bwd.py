@@ -307,7 +307,7 @@ class FlashBwdSm100(BwdMainCall):
         # dK += dS^T Q: A = dS^T (tn x tm) K-major, B = Q as (d x tm), MN-major.
         mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, d))
         # dQ = dS K: A = dS (tm x tn) MN-major (the dS^T tile), B = K as (d x tn), MN-major.
-        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, one, (tm, d))
+        mma_dq = self._dq_mma(d)
         tilers = {
             "s": (tn, tm, d), "dp": (tn, tm, dv), "dv": (tn, dv, tm),
             "dk": (tn, d, tm), "dq": (tm, d, tn),
@@ -1033,8 +1033,8 @@ class FlashBwdSm100(BwdMainCall):
                     gX[tc[j]] = rX[j]
 
     def _dq_mma(self, width: int):
-        """The tiled MMA of one dQ pass, dQ[:, c0 : c0 + width] = dS K[:, c0 : c0 + width]
-        (``_tiled_mmas``' dQ MMA at that width)."""
+        """The tiled MMA of dQ[:, c0 : c0 + width] = dS K[:, c0 : c0 + width]: the whole
+        dQ (width = head dim, ``_tiled_mmas``) or one of its passes."""
         MN = cute.nvgpu.OperandMajorMode.MN
         return sm100_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, tcgen05.CtaGroup.ONE, (self.tile_m, width))
