@@ -21,9 +21,11 @@ import pytest
 from kernel_compile import (
     assert_pdl_chained,
     assert_semaphore_order,
+    bwd_structs,
     count,
     dump_options,
     dumped_sass,
+    lower,
     lower_bwd,
 )
 
@@ -175,6 +177,39 @@ def test_wide_kernel(build, causal):
     assert_pdl_chained(sass)
     assert count("UTMAREDG", sass) == 8
     assert "UBLKRED" not in sass
+
+
+@needs_cutlass
+@pytest.mark.parametrize("dv,masked", [(192, False), (128, False), (128, True)])
+def test_wide_kernel_at_192(tmp_path, dv, masked):
+    """FlashBwdSm90Wide at 192 and (192, 128): 96-key blocks, dK^T / dV^T split
+    between the warpgroups along the keys (Note [Wide dK and dV]): per query block S
+    and dP (m64n48, k = 192 / dv), dV^T and dK^T (three or two m64 atoms of n48, k =
+    64) and dQ (m64n96, k = 96), as the SASS shows, with no local memory and the
+    shared memory Note [Wide shared memory] counts (refused at compile time past the
+    limit)."""
+    import cutlass
+    import jax
+
+    from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
+
+    shape = (2, 113, 203, 4, 1)
+    ins, outs, aliases = bwd_structs(*shape, 192, jnp.bfloat16, dv)
+    if masked:  # the keys' query intervals after mdQaccum
+        ins = ins + (jax.ShapeDtypeStruct((shape[0], shape[2], 2), jnp.int32),)
+
+    def make():
+        return FlashBwdSm90Wide(cutlass.BFloat16, 192, dv, not masked, 0.1, use_pdl=True,
+                                masked=masked)
+
+    text = lower(make, "sm_90a", ins, outs, aliases, dump_options(tmp_path))
+    assert "custom_call" in text
+    sass = dumped_sass(tmp_path)
+    _assert_healthy(sass, _ptxas_report(tmp_path), 12 + dv // 16 + dv // 16 + 12 + 6)
+    assert count("UTMAREDG", sass) == 6  # the 64 x 192 fp32 dQ tile: 6 boxes of 64 x 32
+    kernel = make()
+    assert (kernel.tile_n, kernel.stages_qdo, kernel.p_buffers) == (
+        96, 2 if dv == 128 else 1, 1)
 
 
 @needs_cutlass

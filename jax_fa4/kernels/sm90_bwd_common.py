@@ -136,11 +136,6 @@ class Sm90BwdCommon(BwdMainCall):
         mLSElog2, mDpsum = [stat_rows_view(t, SEQLEN_Q_PAD) for t in (mLSElog2, mDpsum)]
         return mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV
 
-    def qdo_swizzle_cols(self):
-        """(Q, dO): the widths their SMEM swizzle atoms must divide, or None for
-        their own widths."""
-        return None, None
-
     def load_layouts(self):
         """SMEM layouts of what the load warp fills: Q and dO (stages), K, V, and the
         row statistics, whose stages start 128-byte aligned as a TMA destination must.
@@ -152,9 +147,8 @@ class Sm90BwdCommon(BwdMainCall):
         # the query tile has one 64-row atom (``dq_tiled_mma``): at d = 96 each
         # takes 48 columns, which the 64-byte swizzle's 32-column atoms do not divide.
         k_cols = d // (self.num_mma_wg // (tm // 64))
-        q_cols, do_cols = self.qdo_swizzle_cols()
-        return (sm90_smem_layout(self.dtype, tm, d, st, swizzle_cols=q_cols),
-                sm90_smem_layout(self.dtype, tm, dv, st, swizzle_cols=do_cols),
+        return (sm90_smem_layout(self.dtype, tm, d, st),
+                sm90_smem_layout(self.dtype, tm, dv, st),
                 sm90_smem_layout(self.dtype, tn, d, None, swizzle_cols=k_cols),
                 sm90_smem_layout(self.dtype, tn, dv, None),
                 cute.make_layout((tm, st), stride=(1, row_stage)), row_stage)

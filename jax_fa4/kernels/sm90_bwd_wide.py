@@ -1,16 +1,17 @@
-"""Hopper (sm_90a) backward attention main kernel for head_dim = head_dim_v = 256.
+"""Hopper (sm_90a) backward attention main kernel for head dims 256, 192 and (192, 128).
 
 Same contract as `FlashBwdSm90` (kernels/sm90_bwd.py), whose register-resident
-design does not fit 256-wide heads. One CTA owns one key/value block (`tile_n` = 64
-keys) of one kv head of one batch entry and walks every query block (`tile_m` = 64
-queries) of every query head of its GQA group, so dK and dV stay in registers for
-the whole walk (deterministic, no dK/dV atomics). dQ partials (sum over this CTA's
-keys of dS K) are reduce-added into the fp32 accumulator by TMA.
+design does not fit these heads. One CTA owns one key/value block (`tile_n` = 64
+keys at 256, 96 at 192) of one kv head of one batch entry and walks every query
+block (`tile_m` = 64 queries) of every query head of its GQA group, so dK and dV
+stay in registers for the whole walk (deterministic, no dK/dV atomics). dQ partials
+(sum over this CTA's keys of dS K) are reduce-added into the fp32 accumulator by
+TMA. Below, the figures are hdim 256's; Note [Wide dK and dV] gives 192's.
 
 Warp roles (384 threads; everything but the MMA warpgroups and the dQ warp is
 shared with `FlashBwdSm90` in sm90_bwd_common.py):
   warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
-                        query block, one pipeline stage)
+                        query block, one or two pipeline stages)
                 warp 1: TMA reduce-add of the dQ partial tile into mdQaccum
                 warps 2-3: idle (exit at once)
   warpgroups 1-2: the five GEMMs (wgmma) and the pointwise softmax backward
@@ -30,7 +31,7 @@ Per warpgroup and query block that is 16 + 16 + 8 + 8 + 4 = 52 wgmma instruction
 
 Order within one query block: S and dP issued together; P = exp2(...) (masked only
 in blocks holding a key past seqlen_k or, causal, a key after some query) while dP
-runs; P stored to SMEM with stmatrix (double buffered), barrier over both
+runs; P stored to SMEM with stmatrix (Note [P/dS buffers]), barrier over both
 warpgroups, dV^T issued; dS computed while dV^T runs; dS stored (single buffer),
 barrier, dK^T then dQ issued; once dV^T and dK^T are done the Q/dO stage is
 released, so the next block's load overlaps the dQ GEMM; then the dQ partial goes
@@ -41,19 +42,23 @@ fp32 dQ tile 64 KiB, P 2 x 8 KiB, dS 8 KiB: 216 KiB plus 1 KiB of barriers and r
 statistics (222208 bytes), within the 227 KiB a CTA may use. A second Q/dO stage
 (+64 KiB, or +32 KiB for Q alone) does not fit, so each block's Q/dO load is
 exposed except for the overlap with the previous block's dQ GEMM and hand-off.
-At d = 192 the tiles are 24 KiB and the dQ tile 48 KiB: two Q/dO stages fit, and
-load the next block under the current one (the hdim-192 backward 5.71 -> 5.12 ms,
-(192, 128) 6.06 -> 4.69 ms on the H200).
+At 192 (96-key blocks) Q is 24 KiB, K 36 KiB, the dQ tile 48 KiB, P and dS 12 KiB
+each: with dO and V of 16 / 24 KiB, (192, 128) takes two Q/dO stages (212 KiB),
+which load the next block under the current one; (192, 192) one (192 KiB; a
+second would need 240). flash-attn-4's hdim-192 backward stages the same way.
 
-Note [P/dS buffers]: every warpgroup reads all of P (dV^T) and all of dS (dK^T and
-dQ), and each writes only its own 32 columns, so a barrier over both warpgroups
-separates writes from reads. For the write-after-read side: warpgroup w finishes
-all GEMMs of query block i-1 (wait_group(0)) before it arrives at the P barrier of
-block i. dS of block i is written after that barrier, so one dS buffer suffices.
-P of block i is written before it, while the other warpgroup may still run dV^T of
-block i-1 (which reads P of i-1): P alternates between two buffers, and the buffer
-written in block i was last read by dV^T of block i-2, finished before either
-warpgroup passed the P barrier of block i-1.
+Note [P/dS buffers]: at 256 every warpgroup reads all of P (dV^T) and all of dS
+(dK^T and dQ), and each writes only its own 32 columns, so a barrier over both
+warpgroups separates writes from reads. For the write-after-read side: warpgroup w
+finishes all GEMMs of query block i-1 (wait_group(0)) before it arrives at the P
+barrier of block i. dS of block i is written after that barrier, so one dS buffer
+suffices. P of block i is written before it, while the other warpgroup may still
+run dV^T of block i-1 (which reads P of i-1): P alternates between two buffers, and
+the buffer written in block i was last read by dV^T of block i-2, finished before
+either warpgroup passed the P barrier of block i-1. At 192 a warpgroup's dV^T and
+dK^T read only the 48 columns of P and dS it wrote itself (Note [Wide dK and dV]);
+dQ still reads all of dS. P then needs one buffer: warpgroup w writes its columns
+of block i after its own GEMMs of block i-1 are done.
 
 Note [dQ SMEM addresses]: the fp32 dQ tile uses the 128-byte swizzle (TMA boxes of
 64 x 32, conflict-free 64-bit stores from the accumulator). Through the generic
@@ -150,14 +155,19 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
 
     Same constructor and call as `FlashBwdSm90`. FA3's sm90 hdim-256 backward tiles:
     64 x 64 and one Q/dO stage, the only ones that fit in SMEM (Note [Wide shared
-    memory]); the mask changes only which blocks run and which are masked.
+    memory]); flash-attn-4's 64 x 96 at 192. The mask changes only which blocks run
+    and which are masked.
 
-    Note [Wide dK and dV]: at 256 the warpgroups split dV^T = dO^T P and dK^T = Q^T dS
-    along the head dim in 64-row atoms (two each, "swapAB"). 192 rows are three such
-    atoms, which two warpgroups cannot share evenly, so at 192 (and (192, 128)) they
-    compute dV = P^T dO and dK = dS^T Q instead, split along the head dim in columns
-    (96 each at 192, 64 at 128), with Q and dO in a swizzle whose atoms divide those
-    halves (``qdo_swizzle_cols``).
+    Note [Wide dK and dV]: dK and dV accumulate transposed, dV^T = dO^T P and dK^T =
+    Q^T dS (head dim x keys, "swapAB"). At 256 the warpgroups split them along the
+    head dim in 64-row atoms (two each). 192 rows are three such atoms, which two
+    warpgroups cannot share evenly, so at 192 they split them along the keys
+    instead: each warpgroup's 48 of the block's 96 keys, the same keys whose S and dP
+    it computes, so its dV^T and dK^T read only its own columns of P and dS (SMEM
+    swizzle atoms that divide 48). Per thread that is 72 + 72 accumulator registers
+    at (192, 192), 48 + 72 at (192, 128); per warpgroup and query block 12 + 12 + 12
+    + 12 + 6 = 54 wgmma instructions ((192, 128): 46). flash-attn-4's hdim-192
+    backward splits the same way (dKV swapAB, its atoms along n).
 
     Args: as ``Sm90BwdCommon``; head dims 256, 192 or (192, 128).
     """
@@ -167,29 +177,34 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     bar_dq_full = 3
     bar_dq_empty = 4
     tile_m = 64  # query rows per block
-    tile_n = 64  # key rows per CTA (32 per MMA warpgroup in S and dP)
+
+    @property
+    def tile_n(self) -> int:
+        """Key rows per CTA, split between the two MMA warpgroups in S and dP: 64 at
+        256, flash-attn-4's 96 at 192 (Note [Wide dK and dV])."""
+        return 64 if self.head_dim == 256 else 96
 
     @property
     def stages_qdo(self) -> int:
-        """Q / dO / LSElog2 / Dpsum pipeline stages: 2 where they fit (below hdim 256,
+        """Q / dO / LSElog2 / Dpsum pipeline stages: 2 where they fit ((192, 128),
         Note [Wide shared memory])."""
-        return 1 if self.head_dim == 256 else 2
+        return 2 if self.head_dim_v == 128 else 1
 
     @property
-    def swap_dkv(self) -> bool:
-        """Note [Wide dK and dV]: the transposed dK / dV GEMMs (hdim 256)."""
-        return self.head_dim == self.head_dim_v == 256
+    def dkv_split_n(self) -> bool:
+        """Note [Wide dK and dV]: the warpgroups split dK^T / dV^T along the keys (192)
+        rather than along the head dim (256)."""
+        return self.head_dim == 192
 
-    def qdo_swizzle_cols(self):
-        """Q and dO are the B operands of dK and dV split along their columns at 192
-        (Note [Wide dK and dV]): their swizzle atoms must divide each half."""
-        if self.swap_dkv:
-            return None, None
-        return self.head_dim // self.num_mma_wg, self.head_dim_v // self.num_mma_wg
+    @property
+    def p_buffers(self) -> int:
+        """P's SMEM buffers (Note [P/dS buffers]): one where each warpgroup's dV^T reads
+        only the P columns it wrote itself."""
+        return 1 if self.dkv_split_n else 2
 
     # ------------------------------------------------------------------ host side
     def _tiled_mmas(self):
-        d, dv = self.head_dim, self.head_dim_v
+        d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         wg = self.num_mma_wg
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -197,19 +212,13 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         # B = K / V (tile_n x d), K-major as stored; warpgroups side by side along n.
         mma_sdp = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K, K, Float32, (1, wg, 1), (tm, tn // wg))
-        if self.swap_dkv:
-            # dV^T = dO^T P and dK^T = Q^T dS (d x tile_n, reduced over tile_m):
-            # A = dO^T / Q^T (d x tile_m, d contiguous: MN-major), B[n, m] = P[m, n] /
-            # dS[m, n] (n contiguous: MN-major); warpgroups stacked along d.
-            mma_dk = mma_dv = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, MN, Float32, (wg, 1, 1), (64, tn))
-        else:
-            # dV = P^T dO and dK = dS^T Q (tile_n x d): A = P^T / dS^T (keys
-            # contiguous: MN-major), B[d, m] = dO[m, d] / Q[m, d] (MN-major);
-            # warpgroups side by side along d.
-            mma_dk, mma_dv = (sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, MN, MN, Float32, (1, wg, 1), (tn, width // wg))
-                for width in (d, dv))
+        # dV^T = dO^T P and dK^T = Q^T dS (d x tile_n, reduced over tile_m): A = dO^T /
+        # Q^T (d x tile_m, d contiguous: MN-major), B[n, m] = P[m, n] / dS[m, n] (n
+        # contiguous: MN-major). Warpgroups side by side along n, each on the keys
+        # whose S and dP it computed (192), or stacked along d (256).
+        atoms, tiler = ((1, wg, 1), (64, tn // wg)) if self.dkv_split_n else ((wg, 1, 1), (64, tn))
+        mma_dk = mma_dv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atoms, tiler)
         # dQ = dS K (tile_m x d, reduced over tile_n): A = dS (K-major as stored),
         # B[d, n] = K[n, d] (d contiguous: MN-major); warpgroups side by side along d.
         mma_dq = sm90_utils.make_trivial_tiled_mma(
@@ -232,10 +241,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
 
         sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, row_stage = (
             self.load_layouts())
-        # P (tile_m x tile_n, keys contiguous), double buffered; dS single
-        # (Note [P/dS buffers]).
-        sP_layout = sm90_smem_layout(self.dtype, tm, tn, 2)
-        sdS_layout = sm90_smem_layout(self.dtype, tm, tn, None)
+        # P (tile_m x tile_n, keys contiguous), one or two buffers; dS one (Note
+        # [P/dS buffers]). Split along the keys, each warpgroup's dV^T / dK^T reads
+        # its own 48 of them as B: swizzle atoms that divide 48.
+        cols = tn // self.num_mma_wg if self.dkv_split_n else None
+        sP_layout = sm90_smem_layout(self.dtype, tm, tn, self.p_buffers, swizzle_cols=cols)
+        sdS_layout = sm90_smem_layout(self.dtype, tm, tn, None, swizzle_cols=cols)
         sdQ_layout = sm90_smem_layout(Float32, tm, d, None)
 
         ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),
@@ -305,20 +316,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         tSrQ, tSrK = smem_operands(mma_sdp, wg_slice, sQ, sK)
         tdPrdO, tdPrV = smem_operands(mma_sdp, wg_slice, sdO, sV)
         sdOt, sPt, sQt, sdSt = (transpose_smem(t) for t in (sdO, sP, sQ, sdS))
-        if const_expr(self.swap_dkv):
-            # dV^T = dO^T P: A = dO^T (dv x tile_m), B = P^T (tile_n x tile_m), and
-            # dK^T = Q^T dS: A = Q^T (d x tile_m), B = dS^T, all MN-major.
-            tdVrdOt, tdVrPt = smem_operands(mma_dv, wg_slice, sdOt, sPt)
-            tdKrQt, tdKrdSt = smem_operands(mma_dk, wg_slice, sQt, sdSt)
-            acc_dK = zero_acc(thr_dk, (d, tn))
-            acc_dV = zero_acc(thr_dv, (dv, tn))
-        else:
-            # dV = P^T dO: A = P^T (tile_n x tile_m), B = dO^T (dv x tile_m), and
-            # dK = dS^T Q: A = dS^T, B = Q^T (d x tile_m), all MN-major.
-            tdVrPt, tdVrdOt = smem_operands(mma_dv, wg_slice, sPt, sdOt)
-            tdKrdSt, tdKrQt = smem_operands(mma_dk, wg_slice, sdSt, sQt)
-            acc_dK = zero_acc(thr_dk, (tn, d))
-            acc_dV = zero_acc(thr_dv, (tn, dv))
+        # dV^T = dO^T P: A = dO^T (dv x tile_m), B = P^T (tile_n x tile_m), and
+        # dK^T = Q^T dS: A = Q^T (d x tile_m), B = dS^T, all MN-major.
+        tdVrdOt, tdVrPt = smem_operands(mma_dv, wg_slice, sdOt, sPt)
+        tdKrQt, tdKrdSt = smem_operands(mma_dk, wg_slice, sQt, sdSt)
+        acc_dK = zero_acc(thr_dk, (d, tn))
+        acc_dV = zero_acc(thr_dv, (dv, tn))
         # dQ = dS K: A = dS (tile_m x tile_n) K-major, B = K^T (d x tile_n) MN-major.
         tdQrdS, tdQrKt = smem_operands(mma_dq, wg_slice, sdS, transpose_smem(sK))
 
@@ -344,7 +347,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         for it in cutlass.range(num_iters, unroll=1):
             _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
-            buf = it % 2
+            buf = it % self.p_buffers
 
             # Segment ids: keep bits before the GEMMs' accumulators are live.
             bits = self.segment_bits(kmask, tScS, m_block)
@@ -386,13 +389,9 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             cute.copy(copy_pds, thr_copy_pds.retile(rP), tPsP[None, None, None, buf])
             cute.arch.fence_view_async_shared()
             p_bar.arrive_and_wait()
-            # dV (or dV^T) runs on the tensor cores while dS is computed.
-            if const_expr(self.swap_dkv):
-                wgmma_gemm(mma_dv, acc_dV, tdVrdOt[None, None, None, stage],
-                           tdVrPt[None, None, None, buf], zero_init=False)
-            else:
-                wgmma_gemm(mma_dv, acc_dV, tdVrPt[None, None, None, buf],
-                           tdVrdOt[None, None, None, stage], zero_init=False)
+            # dV^T runs on the tensor cores while dS is computed.
+            wgmma_gemm(mma_dv, acc_dV, tdVrdOt[None, None, None, stage],
+                       tdVrPt[None, None, None, buf], zero_init=False)
             warpgroup.wait_group(1)  # dP done (dV^T may still run)
 
             dP = acc_mn_view(acc_dP)
@@ -409,12 +408,8 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
 
             # dK before dQ: Q and dO are then free as soon as dK is done, so the
             # next block's Q/dO load overlaps the dQ GEMM and its SMEM hand-off.
-            if const_expr(self.swap_dkv):
-                wgmma_gemm(mma_dk, acc_dK, tdKrQt[None, None, None, stage], tdKrdSt,
-                           zero_init=False)
-            else:
-                wgmma_gemm(mma_dk, acc_dK, tdKrdSt, tdKrQt[None, None, None, stage],
-                           zero_init=False)
+            wgmma_gemm(mma_dk, acc_dK, tdKrQt[None, None, None, stage], tdKrdSt,
+                       zero_init=False)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
             wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
 
@@ -433,19 +428,13 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     @cute.jit
     def store_acc(self, acc, mX, thr, width: cutlass.Constexpr[int],
                   scale: cutlass.Constexpr[float], n_block, head_kv, batch, seqlen_k):
-        """dK = scale * sum dS^T Q and dV = sum P^T dO from their (tile_n x width)
-        accumulators, or (``swap_dkv``) the transposed (width x tile_n) ones, straight
-        to global memory; keys past seqlen_k are not stored."""
+        """dK = scale * sum dS^T Q and dV = sum P^T dO from their transposed (width x
+        tile_n) accumulators, straight to global memory; keys past seqlen_k are not
+        stored."""
         tn = self.tile_n
         gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, 0))
-        if const_expr(self.swap_dkv):
-            tXgX = thr.partition_C(permute(gX, [1, 0]))  # (width, tile_n) view of the rows
-            tXcX = thr.partition_C(cute.make_identity_tensor((width, tn)))
-            key = 1
-        else:
-            tXgX = thr.partition_C(gX)
-            tXcX = thr.partition_C(cute.make_identity_tensor((tn, width)))
-            key = 0
+        tXgX = thr.partition_C(permute(gX, [1, 0]))  # (width, tile_n) view of the rows
+        tXcX = thr.partition_C(cute.make_identity_tensor((width, tn)))
         rX = cute.make_fragment_like(acc, self.dtype)
         if const_expr(scale != 1.0):
             rX.store((acc.load() * scale).to(self.dtype))
@@ -453,5 +442,5 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             rX.store(acc.load().to(self.dtype))
         key_limit = seqlen_k - n_block * tn
         for i in cutlass.range_constexpr(cute.size(rX)):
-            if tXcX[i][key] < key_limit:
+            if tXcX[i][1] < key_limit:
                 tXgX[i] = rX[i]
