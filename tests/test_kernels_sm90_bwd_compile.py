@@ -169,14 +169,23 @@ def test_deterministic_kernel(build, head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_wide_kernel(build, causal):
     """FlashBwdSm90Wide (hdim 256): all five GEMMs of a query block on wgmma, the dQ
-    partial by a TMA tensor reduce (8 boxes of 64 x 32 fp32), dK / dV by predicated
+    partial by the flat hand-off (Note [Wide dQ hand-off]), dK / dV by predicated
     per-thread stores (Note [Wide shared memory] leaves no SMEM to stage them)."""
     text, sass, report = build("wide", WIDE, causal)
     assert "custom_call" in text
     _assert_healthy(sass, report, HGMMA_PER_BLOCK_WIDE)
     assert_pdl_chained(sass)
-    assert count("UTMAREDG", sass) == 8
-    assert "UBLKRED" not in sass
+    _assert_flat_dq(sass, 64 * WIDE)
+
+
+def _assert_flat_dq(sass: str, tile_floats: int):
+    """Note [Wide dQ hand-off]: the dQ partial leaves the registers by 128-bit SMEM
+    stores only (4 floats per thread each) and SMEM by one 1-D bulk reduce per
+    warpgroup part, no TMA tensor reduce."""
+    assert count(r"\bSTS\.128\b", sass) == tile_floats // 256 // 4
+    assert not count(r"\bSTS(\.64)?\s", sass)
+    assert count(r"\bUBLKRED\.G\.S\.ADD\.F32", sass) == 2, "one bulk reduce per part"
+    assert "UTMAREDG" not in sass
 
 
 @needs_cutlass
@@ -206,7 +215,7 @@ def test_wide_kernel_at_192(tmp_path, dv, masked):
     assert "custom_call" in text
     sass = dumped_sass(tmp_path)
     _assert_healthy(sass, _ptxas_report(tmp_path), 12 + dv // 16 + dv // 16 + 12 + 6)
-    assert count("UTMAREDG", sass) == 6  # the 64 x 192 fp32 dQ tile: 6 boxes of 64 x 32
+    _assert_flat_dq(sass, 64 * 192)
     kernel = make()
     assert (kernel.tile_n, kernel.stages_qdo, kernel.p_buffers) == (
         96, 2 if dv == 128 else 1, 1)
@@ -341,52 +350,3 @@ def test_stats_shuffle_columns_match_the_wgmma_layout():
         held = sorted(stat_part_base(lane, n_cols) + stat_part_offset(i)
                       for lane in range(q, 32, 4) for i in range(per))
         assert held == sorted(stat_part_query(c, q) for c in range(n_cols)), q
-
-
-@needs_cutlass
-@pytest.mark.parametrize("d", [192, WIDE])
-def test_wide_dq_smem_addresses(d):
-    """The wide kernel's dQ SMEM store's 4-base address arithmetic (Note [dQ SMEM
-    addresses]) against the plain 128-byte swizzle of every (thread, register) of the
-    dQ accumulator, at trace time with static thread indices, at hdim 192 and 256."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32
-
-    from jax_fa4.ffi.bridge import pinned_arch
-    from jax_fa4.kernels import sm90_bwd_wide as wide
-    from jax_fa4.kernels.cute_utils import sm90_smem_layout
-
-    kernel = wide.FlashBwdSm90Wide(cutlass.BFloat16, d)
-    tm = kernel.tile_m
-    mismatches, addresses = [], set()
-
-    def byte_swizzle_128(lin):  # written out in bytes, as the TMA box sees it
-        b = 4 * lin
-        return (b ^ ((b >> 3) & 0x70)) // 4
-
-    def walk():  # plain Python: runs once while the jit function below traces
-        *_, mma_dq = kernel._tiled_mmas()
-        outer = sm90_smem_layout(Float32, tm, d, None).outer
-        for t in range(kernel.num_mma_threads):
-            thr = mma_dq.get_slice(t)
-            coords = thr.partition_C(cute.make_identity_tensor((tm, d)))
-            for reg in range(cute.size(thr.partition_shape_C((tm, d)))):
-                e, i, j = reg % 2, (reg // 2) % 2, reg // 4
-                jp, jj = j % 4, j // 4
-                ref = byte_swizzle_128(cute.crd2idx(coords[reg], outer))
-                base = wide.swizzle128_f32(cute.crd2idx(coords[4 * jp], outer))
-                mine = base + sum(x * s for x, s in zip((e, i, jj), wide._DQ_SMEM_STRIDE))
-                reg_mine = 4 * jp + sum(x * s for x, s in zip((e, i, jj), wide._DQ_REG_STRIDE))
-                if (mine, reg_mine) != (ref, reg):
-                    mismatches.append((t, reg, ref, mine, reg_mine))
-                addresses.add(ref)
-
-    @cute.jit
-    def trace():
-        walk()
-
-    with pinned_arch("sm_90a"):  # the DSL keeps one target per process
-        cute.compile(trace)
-    assert not mismatches, mismatches[:8]
-    assert len(addresses) == tm * d  # every element of the tile written exactly once

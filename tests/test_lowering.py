@@ -272,20 +272,22 @@ def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
 
 def test_launch_plans_key_every_kernel_by_what_changes_it(monkeypatch):
     """The backward's plan keys its pre- and postprocess by the layouts they share
-    with the main kernel: on sm_90a at head dims 64 / 128 the flat dQ accumulator's
-    query tile, and at hdim 128 (both masks) the by-thread statistics block;
-    elsewhere row order. The lowering launches exactly the plan's keys, and the
-    kernels built from them take those layouts."""
+    with the main kernel: on sm_90a the flat dQ accumulator's query tile, and at
+    hdim 128 (both masks) the by-thread statistics block; elsewhere row order. The
+    lowering launches exactly the plan's keys, and the kernels built from them take
+    those layouts."""
     from jax_fa4.config import AttentionConfig
     from jax_fa4.rules import kernels_cuda
     from jax_fa4.rules.plan import bwd_plan, fwd_plan
 
     layouts = {(a, d, c): (bwd_plan(a, "bfloat16", d, d, c, 0.1, False, False).pre.stat_block,
                            bwd_plan(a, "bfloat16", d, d, c, 0.1, False, False).post.dq_tile_m)
-               for a in ("sm_90a", "sm_100a") for d in (64, 128) for c in (False, True)}
+               for a in ("sm_90a", "sm_100a") for d in (64, 128, 256) for c in (False, True)}
     assert layouts == {("sm_90a", 64, False): (0, 128), ("sm_90a", 64, True): (0, 128),
                        ("sm_90a", 128, False): (64, 64), ("sm_90a", 128, True): (64, 64),
-                       **{("sm_100a", d, c): (0, 0) for d in (64, 128) for c in (False, True)}}
+                       ("sm_90a", 256, False): (0, 64), ("sm_90a", 256, True): (0, 64),
+                       **{("sm_100a", d, c): (0, 0) for d in (64, 128, 256)
+                          for c in (False, True)}}
     assert [fwd_plan("sm_90a", "bfloat16", d, d, c, 0.1).tile_counter
             for d in (64, 128, 256) for c in (False, True)] == [False, True, False, True,
                                                                False, False]

@@ -5,13 +5,13 @@ fp32 as one contiguous (Sq_pad, D) block. This kernel applies the softmax scale,
 rounds to the input dtype and writes dQ in the layout of q, (B, Sq, Hq, D),
 dropping the padding rows.
 
-Row-major accumulator (sm100, and the sm90 hdim 256 kernel): architecture neutral
+Row-major accumulator (sm100): architecture neutral
 and memory bound; one CTA moves a `tile_m x D` block of one (batch, head). Each
 thread loads 8 consecutive floats (two 128-bit loads) and stores them as 8 halves
 (one 128-bit store), so reads and writes are both vectorized and coalesced along D.
 
-Flat accumulator (`flat_tile_m`, the sm90 backward at hdim 64/128; Note [Flat dQ
-accumulator] in dq_layout.py): one CTA of two warpgroups per query block of the
+Flat accumulator (`flat_tile_m`, every sm90 backward; Note [Flat dQ accumulator]
+in dq_layout.py): one CTA of two warpgroups per query block of the
 main kernel. Each thread loads the 128-bit chunks its namesake MMA thread stored
 (coalesced), which fills the very register fragment of the main kernel's dQ GEMM;
 the fragment is scaled, rounded and written to SMEM with stmatrix through the same
@@ -35,6 +35,11 @@ try:  # The kernel needs the CuTe DSL; importing this module must not.
     from cutlass import Float32, const_expr
 except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
     cutlass = None
+
+
+# (main kernel's tile_m, head dim) of the sm90 backwards' flat accumulators: the
+# hdim 64 / 96 / 128 kernel's, and the wide kernel's at 192 and 256.
+_FLAT_TILES = {(m, d) for m in (64, 128) for d in (64, 96, 128)} | {(64, 192), (64, 256)}
 
 
 def postprocess_tiling(head_dim: int) -> tuple[int, int]:
@@ -71,7 +76,7 @@ class FlashBwdPostprocess:
         # The main kernel's query tile when dQaccum is in flat order, else None.
         self.flat_tile_m = flat_tile_m
         if flat_tile_m is not None:
-            if flat_tile_m not in (64, 128) or head_dim not in (64, 96, 128):
+            if (flat_tile_m, head_dim) not in _FLAT_TILES:
                 raise ValueError(f"no flat dQ accumulator for tile_m {flat_tile_m}, "
                                  f"head_dim {head_dim}")
             self.tile_m, self.num_threads = flat_tile_m, 256

@@ -1,5 +1,5 @@
-"""The flat order of the fp32 dQ accumulator written by the sm90 backward (hdim 64/128),
-and the order of the deterministic backwards' dQ adds.
+"""The flat order of the fp32 dQ accumulator written by the sm90 backwards (every head
+dim), and the order of the deterministic backwards' dQ adds.
 
 Note [Flat dQ accumulator]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~

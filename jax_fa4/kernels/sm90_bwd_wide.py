@@ -6,13 +6,13 @@ keys at 256, 96 at 192) of one kv head of one batch entry and walks every query
 block (`tile_m` = 64 queries) of every query head of its GQA group, so dK and dV
 stay in registers for the whole walk (deterministic, no dK/dV atomics). dQ partials
 (sum over this CTA's keys of dS K) are reduce-added into the fp32 accumulator by
-TMA. Below, the figures are hdim 256's; Note [Wide dK and dV] gives 192's.
+bulk copies. Below, the figures are hdim 256's; Note [Wide dK and dV] gives 192's.
 
 Warp roles (384 threads; everything but the MMA warpgroups and the dQ warp is
 shared with `FlashBwdSm90` in sm90_bwd_common.py):
   warpgroup 0   warp 0: TMA loads (K, V once; Q, dO, LSElog2 and Dpsum rows per
                         query block, one or two pipeline stages)
-                warp 1: TMA reduce-add of the dQ partial tile into mdQaccum
+                warp 1: bulk reduce-add of the dQ partial into mdQaccum
                 warps 2-3: idle (exit at once)
   warpgroups 1-2: the five GEMMs (wgmma) and the pointwise softmax backward
 
@@ -35,7 +35,7 @@ runs; P stored to SMEM with stmatrix (Note [P/dS buffers]), barrier over both
 warpgroups, dV^T issued; dS computed while dV^T runs; dS stored (single buffer),
 barrier, dK^T then dQ issued; once dV^T and dK^T are done the Q/dO stage is
 released, so the next block's load overlaps the dQ GEMM; then the dQ partial goes
-to the dQ warp through SMEM (Note [dQ SMEM addresses]).
+to the dQ warp through SMEM (Note [Wide dQ hand-off]).
 
 Note [Wide shared memory]: Q, dO, K and V tiles are 32 KiB each at d = 256, the
 fp32 dQ tile 64 KiB, P 2 x 8 KiB, dS 8 KiB: 216 KiB plus 1 KiB of barriers and row
@@ -45,7 +45,9 @@ exposed except for the overlap with the previous block's dQ GEMM and hand-off.
 At 192 (96-key blocks) Q is 24 KiB, K 36 KiB, the dQ tile 48 KiB, P and dS 12 KiB
 each: with dO and V of 16 / 24 KiB, (192, 128) takes two Q/dO stages (212 KiB),
 which load the next block under the current one; (192, 192) one (192 KiB; a
-second would need 240). flash-attn-4's hdim-192 backward stages the same way.
+second would need 240). flash-attn-4's hdim-192 backward stages (192, 128) the
+same way; at (192, 192) it gives Q two stages and dO one, which this kernel's joint
+Q/dO pipeline cannot.
 
 Note [P/dS buffers]: at 256 every warpgroup reads all of P (dV^T) and all of dS
 (dK^T and dQ), and each writes only its own 32 columns, so a barrier over both
@@ -60,16 +62,13 @@ dK^T read only the 48 columns of P and dS it wrote itself (Note [Wide dK and dV]
 dQ still reads all of dS. P then needs one buffer: warpgroup w writes its columns
 of block i after its own GEMMs of block i-1 are done.
 
-Note [dQ SMEM addresses]: the fp32 dQ tile uses the 128-byte swizzle (TMA boxes of
-64 x 32, conflict-free 64-bit stores from the accumulator). Through the generic
-partition every one of a thread's 32 float2 stores gets its own swizzled address,
-all hoisted out of the loop: 32 registers, and at 192 live accumulator registers
-ptxas spilled. Within a 128-byte row a thread's four float2 sit in four different
-16-byte chunks (four swizzle patterns); its other rows (+8) and column blocks (+32)
-only change address bits the swizzle neither reads nor writes. So
-`_store_dq_smem` swizzles four base offsets and stores everything else at
-immediate offsets from them (checked for every thread and register by
-tests/test_kernels_sm90_bwd_compile.py).
+Note [Wide dQ hand-off]: each warpgroup writes its (64 x d/2) dQ part into SMEM in
+the flat order of the hdim-128 kernel (Note [Flat dQ accumulator] in dq_layout.py):
+its registers four at a time, thread-interleaved, one conflict-free 128-bit store
+each, and the dQ warp adds each part to mdQaccum with one 1-D bulk reduce. The
+postprocess reads the same order back. Written row-major for a TMA tensor reduce
+(the 128-byte swizzle), the accumulator's 64-bit stores took four SMEM wavefronts
+instead of two: a half-warp's rows r and r ^ 1 land on the same banks.
 
 Note [Tails without predicates]: TMA zero-fills Q/dO rows past seqlen_q and K/V
 rows past seqlen_k. The LSElog2 / Dpsum workspaces have Sq_pad rows, the ones past
@@ -85,13 +84,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    bulk_reduce_add_f32,
     permute,
     sm90_smem_layout,
     smem_operands,
-    tma_tile_partition,
     transpose_smem,
     wgmma_gemm,
     zero_acc,
@@ -103,50 +102,6 @@ from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
 _BAR_P = 1  # both MMA warpgroups: P of this query block is in SMEM
 _BAR_DS = 2  # both MMA warpgroups: dS of this query block is in SMEM
 # The dQ hand-off (Sm90BwdCommon): FlashBwdSm90Wide.bar_dq_full = 3, bar_dq_empty = 4.
-
-
-# See Note [dQ SMEM addresses]. In a thread's accumulator, register (e, i, jp + 4 jj)
-# is row r0 + 8 i, column c0 + 8 jp + 32 jj + e of the tile; in the unswizzled
-# (tile_m x d) fp32 layout (8 x 32 atoms, rows first) that is
-# lin(r0, c0 + 8 jp) + e + 256 i + 2048 jj.
-_DQ_REG_STRIDE = (1, 2, 16)  # registers of (e, i, jj) within one jp group
-_DQ_SMEM_STRIDE = (1, 256, 2048)  # their fp32 offsets from the group's base
-
-
-def swizzle128_f32(lin):
-    """The 128-byte TMA / wgmma swizzle (bytes: bits 4-6 ^= bits 7-9) of an fp32
-    offset from a 1024-byte aligned base; Python ints or DSL integers."""
-    return lin ^ ((lin >> 3) & 0x1C)
-
-
-@cute.jit
-def _store_dq_smem(acc: cute.Tensor, tCcC: cute.Tensor, sdQ_base: cute.Pointer,
-                   sdQ_layout: cute.ComposedLayout):
-    """Write one warpgroup's fp32 dQ accumulator into the swizzled (tile_m x d) SMEM
-    tile with 4 base addresses per thread instead of 32 (Note [dQ SMEM addresses]).
-
-    acc: ((2, 2, V), 1, 1) wgmma accumulator; tCcC: its (row, col) coordinates;
-    sdQ_base: the tile's plain (unswizzled) pointer, 1024-byte aligned.
-    """
-    outer = sdQ_layout.outer
-    # The static structure the address arithmetic relies on; anything else fails
-    # the compile instead of storing to the wrong place. (The DSL's swizzled SMEM
-    # pointers apply `inner` to byte addresses, as TMA does.)
-    assert str(tCcC.layout).startswith("((2,2,") and str(tCcC.layout).endswith(
-        "),1,1):((1@1,8@0,8@1),0,0)"), tCcC.layout
-    assert str(outer) == f"((8,8),(32,{outer.shape[1][1]})):((32,256),(1,2048))", outer
-    assert str(sdQ_layout.inner) == "S<3,4,3>", sdQ_layout.inner
-    n_groups = cute.size(acc.shape[0][2])  # 8-column groups of this thread
-    assert n_groups % 4 == 0
-    src_layout = cute.make_layout((2, 2, n_groups // 4), stride=_DQ_REG_STRIDE)
-    # None of the bits of these offsets is read or written by the swizzle.
-    dst_layout = cute.make_layout((2, 2, n_groups // 4), stride=_DQ_SMEM_STRIDE)
-    for jp in cutlass.range_constexpr(4):
-        row, col = tCcC[4 * jp]
-        off = swizzle128_f32(cute.crd2idx((row, col), outer))
-        dst = cute.make_tensor(sdQ_base + cute.assume(off, divby=2), dst_layout)
-        src = cute.make_tensor(acc.iterator + 4 * jp, src_layout)
-        cute.autovec_copy(src, dst)
 
 
 class FlashBwdSm90Wide(Sm90BwdCommon):
@@ -247,21 +202,20 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         cols = tn // self.num_mma_wg if self.dkv_split_n else None
         sP_layout = sm90_smem_layout(self.dtype, tm, tn, self.p_buffers, swizzle_cols=cols)
         sdS_layout = sm90_smem_layout(self.dtype, tm, tn, None, swizzle_cols=cols)
-        sdQ_layout = sm90_smem_layout(Float32, tm, d, None)
+        # The dQ partial, both warpgroups' parts in the flat order (Note [Wide dQ
+        # hand-off]): plain floats.
+        sdQ_layout = cute.make_layout(tm * d)
 
         ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),
          (tma_LSE, gmem_LSE), (tma_Dpsum, gmem_Dpsum)), bytes_qdo, bytes_kv = self.load_atoms(
             mQ, mK, mV, mdO, mLSElog2, mDpsum, sQ_layout, sdO_layout, sK_layout, sV_layout)
-        # The 128-byte swizzle of the fp32 tile makes this 8 boxes of 64 x 32.
-        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (tm, d))
 
         SharedStorage = self.shared_storage(
             sQ_layout, sdO_layout, sK_layout, sV_layout, row_stage, sP=(self.dtype, sP_layout),
             sdS=(self.dtype, sdS_layout), sdQ=(Float32, sdQ_layout))
         self.launch_kernel(
-            mK, (gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum), (gmem_dQ, mdK, mdV),
-            (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum), (tma_dQ,),
+            mK, (gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum), (mdQaccum, mdK, mdV),
+            (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum), (),
             (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, sP_layout, sdS_layout,
              sdQ_layout),
             mmas, bytes_qdo, bytes_kv, SharedStorage, stream, masks)
@@ -269,35 +223,40 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     # ---------------------------------------------------------------- device side
     @cute.jit
     def dq_warp(self, cta):
-        """Warp 1: reduce-add each (tile_m x d) dQ partial tile, written by both MMA
-        warpgroups together, from SMEM into mdQaccum (fp32) with a TMA tensor reduce."""
+        """Warp 1: reduce-add each query block's dQ partial, written by both MMA
+        warpgroups together in the flat order (Note [Wide dQ hand-off]), from SMEM
+        into its (tile_m x d) block of mdQaccum (fp32), one 1-D bulk reduce per
+        warpgroup part."""
         mdQaccum = cta.outs[0]
-        (tma_dQ,) = cta.atoms
+        sdQ = cta.smem["sdQ"]
         _, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
         tm, d = self.tile_m, self.head_dim
+        part = tm * d // self.num_mma_wg
         nthr = self.num_mma_threads + 32
+        lane = cute.arch.lane_idx()
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
-            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (None, 0))
-            tsdQ, tgdQ = tma_tile_partition(tma_dQ, cta.smem["sdQ"], gdQ)
-            # The SMEM tile is free (the previous reduce has read it): let the MMA
-            # warpgroups write the next partial.
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
+            # The SMEM partial is free (the previous reduces have read it): let the
+            # MMA warpgroups write the next one.
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)
             cute.arch.barrier(barrier_id=self.bar_dq_full, number_of_threads=nthr)
-            cute.copy(tma_dQ, tsdQ, tgdQ[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if lane == 0:
+                for w in cutlass.range_constexpr(self.num_mma_wg):
+                    bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
+                                        part * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         # The reduce-adds must land before the kernel ends.
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def mma(self, cta, tidx):
         """MMA warpgroups (``tidx`` counted from their first thread): all GEMMs and
         the pointwise math; dK/dV epilogue."""
-        sdQ_base = cta.storage.sdQ.data_ptr()
-        sdQ_layout = cta.layouts["sdQ"]
-        sQ, sdO, sK, sV, sP, sdS, _, sLSE, sDpsum = cta.smem.values()
+        sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sDpsum = cta.smem.values()
         _, mdK, mdV = cta.outs
         mma_sdp, mma_dk, mma_dv, mma_dq = cta.mmas
         pipe_qdo, pipe_kv = cta.pipe_qdo, cta.pipe_kv
@@ -336,7 +295,14 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         thr_copy_pds = copy_pds.get_slice(tidx)
         tPsP = thr_copy_pds.partition_D(sP)
         tdSsdS = thr_copy_pds.partition_D(sdS)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, d)))
+        # This warpgroup's dQ registers, 4 at a time, thread-interleaved, into its part
+        # of the partial (Note [Wide dQ hand-off]).
+        part = cute.size(thr_dq.partition_shape_C((tm, d))) * 128
+        r2s_dq = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout(128), cute.make_layout(4))
+        tdQsdQ = r2s_dq.get_slice(tidx % 128).partition_D(cute.make_tensor(
+            sdQ.iterator, cute.make_layout((part, self.num_mma_wg)))[None, wg_idx])
 
         p_bar = pipeline.NamedBarrier(barrier_id=_BAR_P, num_threads=self.num_mma_threads)
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
@@ -417,7 +383,8 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             pipe_qdo.consumer_release(state)
             warpgroup.wait_group(0)  # dQ done
             cute.arch.barrier(barrier_id=self.bar_dq_empty, number_of_threads=dq_threads)
-            _store_dq_smem(acc_dQ, tdQcdQ, sdQ_base, sdQ_layout)
+            cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                      tdQsdQ)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_full, number_of_threads=dq_threads)
             state.advance()

@@ -229,6 +229,10 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
 
         stat_block = stats_thread_block(head_dim, causal, masked) or 0
         dq_tile_m = dq_accum_flat_tile_m(head_dim, causal, masked) or 0
+    elif arch == "sm_90a":  # the wide kernel (Note [Wide dQ hand-off])
+        from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
+
+        dq_tile_m = FlashBwdSm90Wide.tile_m
     sem_tile_m, walk_tiles = 0, None
     if (head_dim in (64, 96, 128) or arch == "sm_100a") and (masked or deterministic):
         if arch == "sm_90a":
