@@ -127,6 +127,19 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # after the exp2s; ptxas then interleaves them with the MUFUs (M a P M a P ...), as
 # in flash-attn-4's step, and also issues the P V wait earlier.
 
+# Note [P through SMEM]
+# ~~~~~~~~~~~~~~~~~~~~~
+# With ``p_in_smem`` (the hdim-96 row, flash-attn-4's 192 x 128 tile with P in
+# shared memory) O += P V takes P from SMEM instead of registers: at the end of each
+# step, once the previous P V has finished (the step's wait_group(0)), every
+# consumer warpgroup converts its 64 rows of P and writes them with stmatrix into
+# its slice of one (tile_m x tile_n) tile, fences the writes to the async proxy and
+# meets its own 128 threads at a named barrier (_BAR_P_WG0 + w); the next step's
+# P V wgmma then reads them. One buffer suffices: P is rewritten only after the P V
+# that read it. It frees the 32 registers per thread that P's A fragment takes,
+# which three 160-register consumer warpgroups need at this head dim; the tile
+# costs 48 KiB of SMEM (216 KiB in all with O's own buffer).
+
 # Note [Packed GQA]
 # ~~~~~~~~~~~~~~~~~
 # With ``pack_gqa`` = g (the query heads per KV head) a masked forward tile holds the
@@ -182,6 +195,7 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # Named barrier ids; 0 is __syncthreads.
 _BAR_EPILOGUE = 1
 _BAR_SCHED_WG1 = 2  # consumer warpgroup w waits on _BAR_SCHED_WG1 + w
+_BAR_P_WG0 = 5  # p_in_smem: consumer warpgroup w's P is in SMEM (_BAR_P_WG0 + w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +234,9 @@ class Sm90FwdTiles:
     # Keep P's conversions to 16 bits in the step that computes P, among its exp2s,
     # instead of in the loop header (Note [P conversion in the loop header]).
     pin_p: bool = False
+    # P as the SMEM (A) operand of O += P V: each consumer warpgroup writes its 64 rows
+    # of P to its own SMEM tile with stmatrix (Note [P through SMEM]).
+    p_in_smem: bool = False
     # Causal: mask the diagonal blocks through one 32-bit keep mask per row
     # (``TileMask(bitmask=True)``, R2P) instead of a compare per element.
     mask_bitmask: bool = False
@@ -303,6 +320,14 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
             pin_p=True,
             mask_bitmask=bitmask,  # faster causal at hdim 64 (not at 128)
             row_sum_chains=0 if causal else 2,  # faster non-causal, slower causal
+        )
+    if head_dim == head_dim_v == 96:
+        # flash-attn-4's hdim-96 row: 192 x 128 on three consumer warpgroups, P through
+        # SMEM (Note [P through SMEM]); persistent as hdim 64.
+        return Sm90FwdTiles(
+            tile_m=192, tile_n=128, num_stages=2, consumer_regs=160, producer_regs=32,
+            persistent=True,
+            p_in_smem=True,
         )
     if d <= 128:
         # tile_n 128, not FA3's 176 non-causal, which needs O in the Q buffer: slower.
@@ -492,12 +517,16 @@ class FlashFwdSm90(FwdCall):
         tiled_mma_qk = tiled_mma(major.K, tn, warpgroup.OperandSource.RMEM
                                  if self.tiles.q_in_regs else warpgroup.OperandSource.SMEM)
         # B = V^T (dv, n) is MN-major in SMEM (V rows are dv-contiguous).
-        tiled_mma_pv = tiled_mma(major.MN, dv, warpgroup.OperandSource.RMEM)
+        tiled_mma_pv = tiled_mma(major.MN, dv, warpgroup.OperandSource.SMEM
+                                 if self.tiles.p_in_smem else warpgroup.OperandSource.RMEM)
 
         sQ_layout = sm90_smem_layout(self.dtype, tm, d)
         sK_layout = sm90_smem_layout(self.dtype, tn, d, self.num_stages)
         sV_layout = sm90_smem_layout(self.dtype, tn, dv, self.num_stages)
         sO_layout = sm90_smem_layout(self.dtype, tm, dv)
+        # P (tile_m x tile_n, keys contiguous: the K-major A operand of P V).
+        sP_layout = sm90_smem_layout(self.dtype, tm, tn)
+        p_elems = cute.cosize(sP_layout) if cutlass.const_expr(self.tiles.p_in_smem) else 0
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         g2s_kv = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1
@@ -535,6 +564,7 @@ class FlashFwdSm90(FwdCall):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             # Dynamic scheduler: a 2-slot ring of tile indices, producer -> consumers.
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4 if self.dynamic else 0]
             sched: cute.struct.MemRange[Int32, 2 if self.dynamic else 0]
@@ -574,6 +604,7 @@ class FlashFwdSm90(FwdCall):
             sK_layout,
             sV_layout,
             sO_layout,
+            sP_layout,
             tiled_mma_qk,
             tiled_mma_pv,
             SharedStorage,
@@ -603,6 +634,7 @@ class FlashFwdSm90(FwdCall):
         sK_layout: cute.ComposedLayout,  # (tile_n, D, stages)
         sV_layout: cute.ComposedLayout,  # (tile_n, Dv, stages)
         sO_layout: cute.ComposedLayout,  # (tile_m, Dv)
+        sP_layout: cute.ComposedLayout,  # (tile_m, tile_n), used with p_in_smem
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -672,6 +704,9 @@ class FlashFwdSm90(FwdCall):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sP = None
+        if cutlass.const_expr(self.tiles.p_in_smem):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
 
         # Tiles run over (query block, head, batch x split) (Note [Split keys]).
         num_b = self.tile_batches(mQ, mLSE)
@@ -732,7 +767,7 @@ class FlashFwdSm90(FwdCall):
         else:
             cute.arch.setmaxregister_increase(self.tiles.consumer_regs)
             # What every tile's ``consume`` takes before the pipeline states.
-            consume_ops = (mO, mLSE, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+            consume_ops = (mO, mLSE, mSinks, sQ, sK, sV, sO, sP, tma_atom_O, tiled_mma_qk,
                            tiled_mma_pv, pipe_q, pipe_k, pipe_v)
             masks = (mRanges, mQSeg, mKSeg)
             if cutlass.const_expr(self.persistent):
@@ -1066,6 +1101,7 @@ class FlashFwdSm90(FwdCall):
         sK: cute.Tensor,  # (tile_n, D, stages)
         sV: cute.Tensor,  # (tile_n, Dv, stages)
         sO: cute.Tensor,  # (tile_m, Dv), its own buffer (persistent) or sQ's
+        sP: cute.Tensor | None,  # (tile_m, tile_n) with p_in_smem
         tma_atom_O: cute.CopyAtom,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -1111,7 +1147,11 @@ class FlashFwdSm90(FwdCall):
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         sVt = transpose_smem(sV)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        if cutlass.const_expr(self.tiles.p_in_smem):
+            tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_A(sP))
+        else:
+            tOrP = wg_mma_pv.make_fragment_A(
+                wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_O = cute.make_rmem_tensor(
             wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
@@ -1186,9 +1226,20 @@ class FlashFwdSm90(FwdCall):
             )
 
         def to_p(acc_S):
-            convert_to_operand_a(acc_S, tOrP, self.dtype)
-            if cutlass.const_expr(self.tiles.pin_p):
-                pin_fragment(tOrP)
+            if cutlass.const_expr(self.tiles.p_in_smem):
+                # Called once the previous P V finished reading sP (Note [P through
+                # SMEM]); the warpgroup's writes are visible to its wgmma after the
+                # async-proxy fence and its own barrier.
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                stmatrix_acc(rP, tiled_mma_qk, sP, tidx, self.dtype)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=_BAR_P_WG0 + wg_idx,
+                                  number_of_threads=_THREADS_PER_WG)
+            else:
+                convert_to_operand_a(acc_S, tOrP, self.dtype)
+                if cutlass.const_expr(self.tiles.pin_p):
+                    pin_fragment(tOrP)
 
         # What every step takes after (state, n_block).
         step_args = (m_block, qk, pv, to_p, softmax, mask, acc_O, pipe_k, pipe_v)
