@@ -145,7 +145,9 @@ def test_hdim_192_runs_every_kernel(monkeypatch, caplog, dv):
 def test_hdim_96_builds(tmp_path, arch, direction):
     """hdim 96's kernels: the tensor-core instructions of the architecture and no
     local memory, except the sm_100a forward's softmax warps, which spill as at hdim
-    128 (19 instructions). sm_100a: compiled, not run on hardware."""
+    128 (19 instructions); the sm_90a forward writes P to SMEM with stmatrix (Note
+    [P through SMEM]) and its P V wgmma (m64n96, k = 128 keys) reads it there.
+    sm_100a: compiled, not run on hardware."""
     pytest.importorskip("cutlass")
     import re
 
@@ -169,6 +171,12 @@ def test_hdim_96_builds(tmp_path, arch, direction):
     assert re.search(r"\bHGMMA\." if arch == "sm_90a" else r"\bUTC\w*MMA", sass)
     local = len(re.findall(r"\b(LDL|STL)\b", sass))
     assert local <= (19 if (arch, direction) == ("sm_100a", "fwd") else 0), local
+    if (arch, direction) == ("sm_90a", "fwd"):
+        assert re.search(r"\bSTSM\.16\.M88\.4\b", sass)
+        # A from SMEM: the operands by descriptor right after D (a register A would
+        # come first: "HGMMA... R88, R24, gdesc[...]").
+        pv = re.findall(r"HGMMA\.64x96x16\.F32\.BF16 [^;\n]*", sass)
+        assert pv and all(re.match(r"\S+ R\d+, gdesc\[", x) for x in pv), pv[:2]
 
 
 def _ref(q, k, v, kw, dtype):

@@ -102,6 +102,12 @@ def test_fwd_tiles_head_dims():
     assert fwd_tiles(256, 256, False).tile_n == 80
     assert fwd_tiles(128, 128, True).tile_n == 128
     assert fwd_tiles(64, 64, True).tile_m == 192
+    # hdim 96: flash-attn-4's 192 x 128 with P through SMEM (Note [P through SMEM]).
+    for causal in (False, True):
+        t = fwd_tiles(96, 96, causal)
+        assert (t.tile_m, t.tile_n, t.p_in_smem, t.consumer_regs) == (192, 128, True, 160)
+    assert not any(fwd_tiles(d, d, c).p_in_smem for d in (64, 128, 192, 256)
+                   for c in (False, True))
     assert fwd_tiles(192, 192, True).tile_n == fwd_tiles(192, 128, False).tile_n == 112
     for d, dv in [(256, 128), (160, 160), (128, 192)]:
         with pytest.raises(ValueError):
