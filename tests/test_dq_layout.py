@@ -21,7 +21,7 @@ from jax_fa4.kernels.dq_layout import (
 )
 
 # (tile_m, head_dim)
-CONFIGS = [(64, 128), (128, 64), (64, 64), (128, 128)]
+CONFIGS = [(64, 128), (128, 64), (64, 64), (128, 128), (64, 96), (64, 192), (64, 256)]
 
 
 @pytest.mark.parametrize("tile_m,head_dim", CONFIGS)
@@ -73,12 +73,14 @@ def test_rejects_tiles_without_whole_atoms():
 
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None,
                     reason="nvidia-cutlass-dsl not installed")
-@pytest.mark.parametrize("tile_m,head_dim", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("tile_m,head_dim,wide", [(64, 128, False), (128, 64, False),
+                                                  (64, 192, True), (64, 256, True)])
 @pytest.mark.filterwarnings("ignore:This static loop")
-def test_flat_order_matches_the_dsl_partition(tile_m, head_dim):
-    """Trace the backward's dQ tiled MMA: register v of MMA thread t must hold the
-    element the flat formula puts at w P + (v // 4) 512 + 4 (t % 128) + v % 4, the
-    spot that thread's 128-bit store writes."""
+def test_flat_order_matches_the_dsl_partition(tile_m, head_dim, wide):
+    """Trace the backward's dQ tiled MMA (the wide kernel's own at 192 / 256, Note
+    [Wide dQ hand-off]): register v of MMA thread t must hold the element the flat
+    formula puts at w P + (v // 4) 512 + 4 (t % 128) + v % 4, the spot that
+    thread's 128-bit store writes and the postprocess's namesake thread reads."""
     import cutlass
     import cutlass.cute as cute
 
@@ -90,7 +92,13 @@ def test_flat_order_matches_the_dsl_partition(tile_m, head_dim):
 
     @cute.jit
     def walk():
-        mma = dq_tiled_mma(cutlass.BFloat16, tile_m, head_dim)
+        if cutlass.const_expr(wide):
+            from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
+
+            mma = FlashBwdSm90Wide(cutlass.BFloat16, head_dim)._tiled_mmas()[3]
+            assert FlashBwdSm90Wide.tile_m == tile_m
+        else:
+            mma = dq_tiled_mma(cutlass.BFloat16, tile_m, head_dim)
         ident = cute.make_identity_tensor(mn)
         for t in cutlass.range_constexpr(256):
             thr = mma.get_slice(t)
