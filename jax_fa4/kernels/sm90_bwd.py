@@ -538,14 +538,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         copy_ds = cute.make_tiled_copy_C(stsm, mma_sdp)
         thr_copy_ds = copy_ds.get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(sdS)
-        # Warpgroup w's dQ registers, 4 at a time, thread-interleaved, into floats
-        # [w P, (w + 1) P) of the partial (Note [Flat dQ accumulator]).
-        part = cute.size(thr_dq.partition_shape_C((tm, d))) * 128
-        r2s_dq = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-            cute.make_layout(128), cute.make_layout(4))
-        tdQsdQ = r2s_dq.get_slice(tidx % 128).partition_D(cute.make_tensor(
-            sdQ.iterator, cute.make_layout((part, self.num_mma_wg)))[None, wg_idx])
+        r2s_dq, tdQsdQ = self.flat_dq_copy(thr_dq, sdQ, tidx, wg_idx)
 
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
         dq_threads = 128 + 32  # this warpgroup and the dQ warp

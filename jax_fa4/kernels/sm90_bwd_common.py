@@ -284,6 +284,19 @@ class Sm90BwdCommon(BwdMainCall):
             cute.arch.setmaxregister_increase(self.regs_mma)
             self.mma(cta, tidx - 128)
 
+    def flat_dq_copy(self, thr_dq, sdQ: cute.Tensor, tidx, wg_idx):
+        """(copy, SMEM destination) of this MMA thread's dQ registers: warpgroup w's,
+        4 at a time, thread-interleaved, into floats [w P, (w + 1) P) of the partial
+        (Note [Flat dQ accumulator] in dq_layout.py). thr_dq: the thread's slice of
+        the dQ tiled MMA; tidx counted from the first MMA thread."""
+        part = cute.size(thr_dq.partition_shape_C((self.tile_m, self.head_dim))) * 128
+        r2s_dq = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout(128), cute.make_layout(4))
+        tdQsdQ = r2s_dq.get_slice(tidx % 128).partition_D(cute.make_tensor(
+            sdQ.iterator, cute.make_layout((part, self.num_mma_wg)))[None, wg_idx])
+        return r2s_dq, tdQsdQ
+
     def make_pipelines(self, storage, bytes_qdo: int, bytes_kv: int):
         """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)

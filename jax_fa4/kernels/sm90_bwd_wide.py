@@ -295,14 +295,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         thr_copy_pds = copy_pds.get_slice(tidx)
         tPsP = thr_copy_pds.partition_D(sP)
         tdSsdS = thr_copy_pds.partition_D(sdS)
-        # This warpgroup's dQ registers, 4 at a time, thread-interleaved, into its part
-        # of the partial (Note [Wide dQ hand-off]).
-        part = cute.size(thr_dq.partition_shape_C((tm, d))) * 128
-        r2s_dq = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-            cute.make_layout(128), cute.make_layout(4))
-        tdQsdQ = r2s_dq.get_slice(tidx % 128).partition_D(cute.make_tensor(
-            sdQ.iterator, cute.make_layout((part, self.num_mma_wg)))[None, wg_idx])
+        r2s_dq, tdQsdQ = self.flat_dq_copy(thr_dq, sdQ, tidx, wg_idx)
 
         p_bar = pipeline.NamedBarrier(barrier_id=_BAR_P, num_threads=self.num_mma_threads)
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
