@@ -322,8 +322,9 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False
             row_sum_chains=0 if causal else 2,  # faster non-causal, slower causal
         )
     if head_dim == head_dim_v == 96:
-        # flash-attn-4's hdim-96 row: 192 x 128 on three consumer warpgroups, P through
-        # SMEM (Note [P through SMEM]); persistent as hdim 64.
+        # flash-attn-4's causal hdim-96 row (it takes 144 keys non-causal): 192 x 128 on
+        # three consumer warpgroups, P through SMEM (Note [P through SMEM]); persistent
+        # as hdim 64.
         return Sm90FwdTiles(
             tile_m=192, tile_n=128, num_stages=2, consumer_regs=160, producer_regs=32,
             persistent=True,
