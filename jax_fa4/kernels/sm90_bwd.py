@@ -462,19 +462,6 @@ class FlashBwdSm90(Sm90BwdCommon):
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def dq_handoff(self, r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads):
-        """The MMA side of the dQ hand-off: wait until the dQ warp's reduce has read
-        this warpgroup's part, write this thread's registers (flat order), make them
-        visible to the bulk engine, signal the dQ warp."""
-        cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
-                          number_of_threads=dq_threads)
-        cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                  tdQsdQ)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
-                                 number_of_threads=dq_threads)
-
-    @cute.jit
     def mma(self, cta, tidx):
         """MMA warpgroups (``tidx`` counted from their first thread): all GEMMs and
         the pointwise math; dK/dV epilogue."""

@@ -297,6 +297,19 @@ class Sm90BwdCommon(BwdMainCall):
             sdQ.iterator, cute.make_layout((part, self.num_mma_wg)))[None, wg_idx])
         return r2s_dq, tdQsdQ
 
+    @cute.jit
+    def dq_handoff(self, r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads):
+        """The MMA side of the dQ hand-off: wait until the dQ warp's reduce has read
+        this warpgroup's part, write this thread's registers (flat order), make them
+        visible to the bulk engine, signal the dQ warp."""
+        cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                          number_of_threads=dq_threads)
+        cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                  tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
+                                 number_of_threads=dq_threads)
+
     def make_pipelines(self, storage, bytes_qdo: int, bytes_kv: int):
         """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)

@@ -375,11 +375,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             warpgroup.wait_group(1)  # dV and dK done: nothing reads this stage
             pipe_qdo.consumer_release(state)
             warpgroup.wait_group(0)  # dQ done
-            cute.arch.barrier(barrier_id=self.bar_dq_empty, number_of_threads=dq_threads)
-            cute.copy(r2s_dq, cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                      tdQsdQ)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full, number_of_threads=dq_threads)
+            self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, 0, dq_threads)
             state.advance()
         self.store_acc(acc_dK, mdK, thr_dk, d, self.softmax_scale, n_block, head_kv,
                        batch, seqlen_k)
