@@ -29,15 +29,6 @@ KERNEL_HEAD_DIMS = {
     "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
 }
 
-# Head dims whose forward has a kernel and backward none, per arch, with the reason:
-# their backward runs the reference path (logged; implementation="cute" raises).
-# sm_100a at 256: dV and dK alone take one CTA's 512 tensor-memory columns, leaving
-# none for S^T, dP^T and dQ (Note [Wide sm100 backward] in kernels/sm100_bwd.py);
-# flash-attn-4 runs this head dim on two CTAs.
-FORWARD_ONLY_HEAD_DIMS = {"sm_100a": {
-    (256, 256): "dK and dV alone take all 512 tensor-memory columns of one CTA",
-}}
-
 # Environment override of the kernel architecture, for lowering on a machine
 # without a GPU (CI cross-compiles) or to force one target: "sm_90a" / "sm_100a".
 ARCH_ENV = "JAX_FA4_ARCH"
@@ -204,16 +195,6 @@ DETERMINISTIC_BWD_HEAD_DIMS = {
     # Compiled, not run on hardware: no Blackwell GPU has been available.
     "sm_100a": ((64, 64), (96, 96), (128, 128)),
 }
-
-
-def bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:
-    """Why no backward kernel of ``arch`` takes these head dims (its forward does),
-    or None."""
-    why = FORWARD_ONLY_HEAD_DIMS.get(arch, {}).get((head_dim, head_dim_v))
-    if why is not None:
-        return (f"no {arch} backward kernel for head dims ({head_dim}, {head_dim_v}) "
-                f"(the forward has one): {why}")
-    return None
 
 
 def deterministic_bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:

@@ -52,11 +52,7 @@ def _opcodes(sass: str) -> str:
 
 
 def _configs(archs):
-    from jax_fa4.config import (
-        DETERMINISTIC_BWD_HEAD_DIMS,
-        FORWARD_ONLY_HEAD_DIMS,
-        KERNEL_HEAD_DIMS,
-    )
+    from jax_fa4.config import DETERMINISTIC_BWD_HEAD_DIMS, KERNEL_HEAD_DIMS
 
     for arch in archs:
         for (d, dv), causal, det, lse in itertools.product(
@@ -64,8 +60,6 @@ def _configs(archs):
         ):
             if det and (d, dv) not in DETERMINISTIC_BWD_HEAD_DIMS[arch]:
                 continue
-            if (d, dv) in FORWARD_ONLY_HEAD_DIMS.get(arch, ()) and (det or lse):
-                continue  # a forward kernel only (``_lower``)
             for dtype in ("bfloat16", "float16"):
                 yield arch, dtype, d, dv, causal, det, lse
 
@@ -88,12 +82,8 @@ def _lower(arch, dtype, d, dv, causal, det, lse):
             return out.astype(jnp.float32).sum() + l.sum()
         return out.astype(jnp.float32).sum()
 
-    from jax_fa4.config import FORWARD_ONLY_HEAD_DIMS
-
-    fn = jax.grad(loss, argnums=(0, 1, 2))
-    if (d, dv) in FORWARD_ONLY_HEAD_DIMS.get(arch, ()):
-        fn = loss
-    jax.jit(fn).trace(q, q, v).lower(lowering_platforms=("cuda",))
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, v).lower(
+        lowering_platforms=("cuda",))
 
 
 def digest(archs, out_path: str) -> None:

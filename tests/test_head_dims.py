@@ -1,8 +1,7 @@
 """Head dims beyond 64 / 128 / 256: 96 (forward and backward kernels on sm_90a, and
 on sm_100a compiled, not run on hardware) and 192, (192, 128) (sm_90a forward and
 backward kernels; sm_100a, compiled, not run on hardware: forward and backward
-kernels at 192 and (192, 128), a forward kernel at 256, whose backward runs the
-logged reference path).
+kernels at 192, (192, 128) and 256).
 On CPU: which kernels the lowering builds and what it logs or raises; on the GPU
 (``-m gpu``): the kernels against the f32 reference by the 2x rule, outputs
 poisoned, with GQA, odd lengths, masks and rows that see no key."""
@@ -46,43 +45,36 @@ def _structs(d, dv, hq=4, hkv=2):
             sds((2, 333, hkv, dv), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("d,dv", [(256, 256)])
-def test_sm100_wide_head_dims_run_the_forward_kernel_and_the_reference_backward(
-        monkeypatch, caplog, d, dv):
-    """sm_100a (compiled, not run on hardware) has a 256 forward kernel, plain and
-    masked (split keys too), and no backward kernel: the backward runs the
-    reference path, logged with the reason, and implementation="cute" raises
-    there."""
-    import logging
-
-    from jax_fa4.rules import primitives
-    from jax_fa4.rules.primitives import KernelUnavailableError
-
+def test_sm100_head_dim_256_lowers_forward_and_backward_kernels(monkeypatch, kernel_calls):
+    """sm_100a at head dim 256 (compiled, not run on hardware): the forward kernel
+    (plain, masked, split keys) and the backward's three (Note [Head-dim halves] in
+    kernels/sm100_bwd.py), causal, windowed, with softcap and segment ids, GQA, and
+    through the returned LSE; no deterministic backward there."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
-    primitives._logged.clear()
-    for kw in (dict(causal=True), dict(window=(64, 0))):
-        text = _lower(lambda q, k, v, kw=kw: jax_fa4.attention(
-            q, k, v, implementation="cute", **kw), *_structs(d, dv))
-        assert text.count(CALL) == 1, kw
+    d = dv = 256
     sds = jax.ShapeDtypeStruct
     decode = (sds((2, 1, 8, d), jnp.bfloat16), sds((2, 5000, 2, d), jnp.bfloat16),
               sds((2, 5000, 2, dv), jnp.bfloat16))
     text = _lower(lambda q, k, v: jax_fa4.attention(q, k, v, implementation="cute"), *decode)
     assert text.count(CALL) == 1
+    ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 167)[None].repeat(2, 0)
+    for kw in (dict(causal=True), dict(window=(64, 0)), dict(causal=True, softcap=30.0),
+               dict(causal=True, q_segment_ids=ids[:, :200], kv_segment_ids=ids[:, :333])):
+        def loss(q, k, v, kw=kw):
+            out, lse = jax_fa4.attention(q, k, v, implementation="cute", return_lse=True,
+                                         **kw)
+            return out.astype(jnp.float32).sum() + lse.sum()
 
-    def loss(q, k, v, implementation=None):
-        return jax_fa4.attention(q, k, v, causal=True, implementation=implementation).astype(
-            jnp.float32).sum()
-
-    with caplog.at_level(logging.WARNING, logger="jax_fa4"):
+        kernel_calls.clear()
         text = _lower(jax.grad(loss, argnums=(0, 1, 2)), *_structs(d, dv))
-    assert text.count(CALL) == 1  # the forward; the backward is the reference
-    assert any(f"no sm_100a backward kernel for head dims ({d}, {dv})" in r.getMessage()
-               and "tensor" in r.getMessage() for r in caplog.records)
-    with pytest.raises(KernelUnavailableError, match="backward kernel"):
-        _lower(jax.grad(lambda q, k, v: loss(q, k, v, "cute"), argnums=(0, 1, 2)),
-               *_structs(d, dv))
+        assert text.count(CALL) == 4, kw  # forward, preprocess, main, postprocess
+        main = [key for key, _ in kernel_calls if key.kind == "bwd"]
+        assert [(key.arch, key.head_dim) for key in main] == [("sm_100a", 256)], kw
+    with pytest.raises(ValueError, match="deterministic"):
+        _lower(jax.grad(lambda q, k, v: jax_fa4.attention(
+            q, k, v, causal=True, deterministic=True, implementation="cute").astype(
+                jnp.float32).sum(), argnums=(0, 1, 2)), *_structs(d, dv))
 
 
 @pytest.mark.parametrize("dv", [128, 192])

@@ -38,7 +38,7 @@ def test_bwd_compiles(head_dim, causal):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_bwd_compiles_fp16(head_dim):
     assert "custom_call" in _lower_bwd(jnp.float16, head_dim, True)
 
@@ -271,5 +271,122 @@ def _check_dq_pass_views() -> None:
             for i in cutlass.range_constexpr(cute.size(o)):
                 r, k = c[i]
                 assert where[(r + c0, k)] == o(i) + c0 * tn
+
+    cute.compile(check)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("masked", [False, True])
+def test_bwd_head_dim_256(tmp_path, masked):
+    """Head dim 256 (Note [Head-dim halves]): two CTAs per key block, 64-query blocks;
+    tensor memory S^T, dP^T, the dV and dK halves, then dQ^T (448 of 512 columns);
+    per item the MMAs of S^T and dP^T over all 256 columns (16 K-steps each), the dV
+    and dK halves (4 each, over 64 queries) and dQ^T (8, over 128 keys); dQ leaves
+    by scalar red.global.add from registers, one per query and thread (no staging
+    tile, no TMA reduce); plain (causal) and masked (intervals and walks); no local
+    memory."""
+    import cutlass
+    import jax
+    from kernel_compile import bwd_structs, dump_options, lower
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100
+
+    shape = (2, 113, 203, 4, 1)
+    ins, outs, aliases = bwd_structs(*shape, 256, jnp.bfloat16, 256)
+    if masked:  # the keys' query intervals, then the key blocks' walks
+        ins = ins + (jax.ShapeDtypeStruct((2, 203, 2), jnp.int32),
+                     jax.ShapeDtypeStruct((2, 2, 5), jnp.int32))
+
+    def make():
+        return FlashBwdSm100(cutlass.BFloat16, 256, 256, not masked, 0.1, masked=masked)
+
+    with pinned_arch("sm_100a"):
+        kernel = make()
+    assert (kernel.split, kernel.dq_t, kernel.tile_m, kernel.tile_n) == (2, True, 64, 128)
+    assert (kernel.tmem_s, kernel.tmem_dp, kernel.tmem_dv, kernel.tmem_dk,
+            kernel.tmem_dq) == (0, 64, 128, 256, 384)
+    assert not kernel.dq_aliases_dp and kernel.tiles.dq_direct
+    assert "custom_call" in lower(make, "sm_100a", ins, outs, aliases,
+                                  dump_options(tmp_path))
+    sass_files = glob.glob(str(tmp_path / "*.sass"))
+    if not sass_files:
+        pytest.skip("no SASS was dumped (disassembler unavailable to the DSL)")
+    with open(sass_files[0]) as f:
+        lines = f.read().splitlines()
+    assert sum(line.count("UTCHMMA") for line in lines) == 16 + 16 + 4 + 4 + 8
+    reds = sum("REDG.E.ADD.F32" in line and "F32x" not in line for line in lines)
+    assert reds == 64  # 2 chunks of 32 queries
+    assert not any("UTMAREDG" in line for line in lines)
+    spills = sum(line.count("LDL") + line.count("STL") for line in lines)
+    assert spills == 0, f"{spills} local-memory instructions"
+
+
+@needs_cutlass
+def test_head_dim_halves_alias_the_tiles():
+    """With head-dim halves each CTA's MMAs read Q^T, dO^T and K^T of its own 128
+    columns through layouts of that width at part * 128 x rows elements from the
+    whole tile (``_as_view``'s offset), and dQ^T reads dS from the dS^T tile: every
+    element of each view is where the writer's layout (TMA's or the compute warps')
+    puts it, for both halves, with the same swizzle."""
+    with pinned_arch("sm_100a"):
+        _check_half_views()
+
+
+def _check_half_views() -> None:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, _rows_cols
+
+    step = 29
+
+    @cute.jit
+    def check():
+        kernel = FlashBwdSm100(cutlass.BFloat16, 256, 256, True, 0.1)
+        (ms, mdp, mdv, mdk, mdq), tl = kernel._tiled_mmas()
+        dt, tm, tn, dp = cutlass.BFloat16, kernel.tile_m, kernel.tile_n, kernel.d_part
+
+        def layout(mma, tiler, side):
+            make = sm100_utils.make_smem_layout_a if side == "A" else \
+                sm100_utils.make_smem_layout_b
+            return make(mma, tl[tiler], dt, 1)
+
+        def coords(mma, side, shape):
+            thr = mma.get_slice(0)
+            part = thr.partition_A if side == "A" else thr.partition_B
+            return part(cute.make_identity_tensor(shape))
+
+        # (writer, its (rows, cols), reader, its (rows, cols), rows of the writer per
+        # reader column block): reader element (r, c) of half h is the writer's
+        # (c, h * dp + r); dS has one "half", the whole tile.
+        views = [
+            ((ms, "s", "A"), (tn, 256), (mdq, "dq", "A"), (dp, tn), tn),  # K / K^T half
+            ((ms, "s", "B"), (tm, 256), (mdk, "dk", "B"), (dp, tm), tm),  # Q / Q^T half
+            ((mdp, "dp", "B"), (tm, 256), (mdv, "dv", "B"), (dp, tm), tm),  # dO / dO^T
+            ((mdk, "dk", "A"), (tn, tm), (mdq, "dq", "B"), (tm, tn), 0),  # dS^T / dS
+        ]
+        for (m1, t1, s1), shape1, (m2, t2, s2), shape2, rows in views:
+            l1, l2 = layout(m1, t1, s1), layout(m2, t2, s2)
+            assert str(l1.inner) == str(l2.inner)
+            o1 = cute.slice_(l1.outer, (None, None, None, 0))
+            o2 = cute.slice_(l2.outer, (None, None, None, 0))
+            c1, c2 = coords(m1, s1, shape1), coords(m2, s2, shape2)
+            where = {}
+            for i in cutlass.range_constexpr(cute.size(o1)):
+                where[c1[i]] = o1(i)
+            for h in cutlass.range_constexpr(2 if rows else 1):
+                for i in cutlass.range_constexpr(h, cute.size(o2), step):
+                    r, c = c2[i]
+                    assert where[(c, h * dp + r)] == o2(i) + h * dp * rows
+        # The compute warps' (key, query) views of P^T and dS^T.
+        for mma, tiler in ((mdv, "dv"), (mdk, "dk")):
+            o = cute.slice_(layout(mma, tiler, "A").outer, (None, None, None, 0))
+            rc = _rows_cols(cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem), o),
+                            tn, tm)
+            c = coords(mma, "A", (tn, tm))
+            for i in cutlass.range_constexpr(0, cute.size(o), step):
+                assert cute.crd2idx(cute.idx2crd(i, o.shape), o) == \
+                    cute.crd2idx(c[i], rc.layout)
 
     cute.compile(check)

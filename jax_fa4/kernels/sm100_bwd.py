@@ -60,6 +60,24 @@ room for the dQ staging tiles, so the reduce warps add dQ rows from registers wi
 vector red.global.add (``BwdTiles.dq_direct``). flash-attn-4 runs (192, 128) with a
 kernel of its own (its MLA backward) and has no sm100 backward at 192.
 
+Note [Head-dim halves]: at head dim 256 dK and dV (128 keys x 256 columns each)
+alone fill the 512 tensor-memory columns. So two CTAs share each key block, CTA h
+owning head-dim columns [128 h, 128 h + 128) of dK, dV and dQ (``BwdTiles.dkv_split``);
+each computes the block's whole S^T and dP^T (over all 256 columns), so those two
+GEMMs run twice per key block: 7 GEMM units where one CTA would run 5. Tensor
+memory then holds S^T and dP^T (64 columns each), the dV and dK halves (128 each)
+and dQ^T (64): 448 columns, none shared. In SMEM, K and V take 64 KiB each, so a
+query block is 64 rows (Q and dO 32 KiB each, P^T and dS^T 16 KiB each): 224 KiB,
+one Q / dO stage, dQ added from registers (``dq_direct``). dQ = dS K would be an
+M = 64 MMA, whose accumulator lies in tensor memory otherwise than the M = 128 ones
+the reduce warps read; each CTA computes its half transposed instead, dQ^T = K^T
+dS^T (M = 128 head-dim columns, N = 64 queries, both operands read MN-major from
+the K and dS^T tiles): a reduce thread holds one head-dim column, and each warp
+adds a query's 32 columns with one coalesced 128-byte red.global.add. flash-attn-4
+runs this head dim on a two-CTA (cta_group::2) kernel whose M = 128 MMAs span both
+CTAs' tensor memory; the halves keep to one-CTA MMAs at the cost of the repeated
+S^T and dP^T.
+
 Note [Tails and masking]: TMA zero-fills Q/dO rows past seqlen_q and K/V rows
 past seqlen_k. Query rows past seqlen_q get LSElog2 = +inf (the load warp
 stores -LSElog2 = -inf, the addend of P's exponent), so P = exp2(-inf) = 0
@@ -135,6 +153,9 @@ class BwdTiles:
     # dQ rows reduce-added from registers into the fp32 accumulator (red.global.add)
     # instead of through SMEM staging tiles and TMA (192, 192): no staging SMEM.
     dq_direct: bool = False
+    # CTAs per key block, each owning head-dim columns [h d / n, (h + 1) d / n) of dK,
+    # dV and dQ, dQ transposed (Note [Head-dim halves]); 1: one CTA owns them all.
+    dkv_split: int = 1
 
 
 def bwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None = None) -> BwdTiles:
@@ -170,15 +191,23 @@ def bwd_tiles(head_dim: int, causal: bool, head_dim_v: int | None = None) -> Bwd
         # tiles of 16 KiB: 224 KiB.
         return BwdTiles(tile_m=128, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=2,
                         regs_compute=160, regs_reduce=64, regs_other=120, wide=True)
-    raise ValueError(f"sm100 backward supports head_dim 64, 96, 128 and 192, got "
+    if head_dim == 256:
+        # Two CTAs per key block, 64-query blocks (Note [Head-dim halves]). The reduce
+        # warps take 80 registers: masked, 64 spilled (dQ^T's 32 columns, the loop).
+        return BwdTiles(tile_m=64, tile_n=128, stages_qdo=1, dq_cols=32, dq_stages=1,
+                        regs_compute=160, regs_reduce=80, regs_other=112, dq_direct=True,
+                        dkv_split=2)
+    raise ValueError(f"sm100 backward supports head_dim 64, 96, 128, 192 and 256, got "
                      f"{head_dim}")
 
 
 
 
-def _as_view(t: cute.Tensor, layout) -> cute.Tensor:
-    """The same SMEM bytes seen through another MMA operand layout (same swizzle)."""
-    return cute.make_tensor(cute.recast_ptr(t.iterator, layout.inner, dtype=t.element_type),
+def _as_view(t: cute.Tensor, layout, offset=0) -> cute.Tensor:
+    """The same SMEM bytes seen through another MMA operand layout (same swizzle),
+    from ``offset`` elements on (a head-dim half, Note [Head-dim halves])."""
+    ptr = t.iterator if isinstance(offset, int) and offset == 0 else t.iterator + offset
+    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=t.element_type),
                             layout.outer)
 
 
@@ -215,7 +244,7 @@ class FlashBwdSm100(BwdMainCall):
 
     Args:
       dtype: cutlass.BFloat16 or cutlass.Float16 (Q, K, V, dO, dK, dV).
-      head_dim, head_dim_v: 64, 96, 128 or 192, equal, or DeepSeek's (192, 128).
+      head_dim, head_dim_v: 64, 96, 128, 192 or 256, equal, or DeepSeek's (192, 128).
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T.
       tiles: override of the tile table row (tests only).
@@ -247,7 +276,8 @@ class FlashBwdSm100(BwdMainCall):
     ):
         self.deterministic = deterministic
         init_bwd_kernel(self, "sm100 backward", dtype, head_dim, head_dim_v,
-                        (64, 96, 128, 192, (192, 128)), causal, softmax_scale, softcap)
+                        (64, 96, 128, 192, (192, 128), 256), causal, softmax_scale,
+                        softcap)
         set_mask_flags(self, causal, masked, segments)
         self.tiles = bwd_tiles(head_dim, causal, self.head_dim_v) if tiles is None else tiles
         t = self.tiles
@@ -257,7 +287,11 @@ class FlashBwdSm100(BwdMainCall):
                              "no build without the dQ staging tiles")
         # One TMEM lane per key / per query row, two compute warpgroups split the
         # tile_m columns of S^T and dP^T, and the dK/dV columns in the epilogue.
-        assert self.tile_m == 128 and self.tile_n == 128
+        # Head-dim halves: 64-query blocks, dQ^T's columns are queries.
+        self.split = t.dkv_split
+        self.dq_t = self.split > 1
+        assert self.tile_n == 128 and self.tile_m == (64 if self.dq_t else 128)
+        assert not self.dq_t or (t.dq_direct and not t.wide and t.stages_qdo == 1)
         assert head_dim % t.dq_cols == 0 and (head_dim // t.dq_cols) % t.dq_stages == 0
         assert (head_dim // 2) % 16 == 0
         assert 2 * t.regs_compute + t.regs_reduce + t.regs_other <= 512
@@ -270,6 +304,8 @@ class FlashBwdSm100(BwdMainCall):
         # backward]): dV, dK, then S^T and dP^T in the same columns, and dQ from
         # there to the end.
         d, dv = head_dim, head_dim_v
+        # The head-dim columns of dK / dV (and dQ) this CTA owns.
+        self.d_part, self.dv_part = d // self.split, dv // self.split
         self.wide = t.wide
         if self.wide:
             self.tmem_dv = 0
@@ -280,16 +316,21 @@ class FlashBwdSm100(BwdMainCall):
             self.tmem_s = 0
             self.tmem_dp = self.tmem_s + self.tile_m
             self.tmem_dv = self.tmem_dp + self.tile_m
-            self.tmem_dk = self.tmem_dv + dv
-            self.dq_aliases_dp = self.tmem_dk + d + d > _TMEM_COLS
-            self.tmem_dq = self.tmem_dp if self.dq_aliases_dp else self.tmem_dk + d
+            self.tmem_dk = self.tmem_dv + self.dv_part
+            dq_width = self.tile_m if self.dq_t else d  # dQ^T: one column per query
+            self.dq_aliases_dp = self.tmem_dk + self.d_part + dq_width > _TMEM_COLS
+            self.tmem_dq = (self.tmem_dp if self.dq_aliases_dp
+                            else self.tmem_dk + self.d_part)
         # dQ in passes of whole 64-column atoms of K^T (Note [Wide sm100 backward]):
         # one, unless the columns from tmem_dq on do not hold d.
         room = (_TMEM_COLS - self.tmem_dq) // 64 * 64
         self.dq_passes = tuple((c, min(room, d - c)) for c in range(0, d, room))
+        if self.dq_t:
+            self.dq_passes = ((0, self.d_part),)
         assert len(self.dq_passes) == 1 or t.dq_direct
-        assert max(self.tmem_dk + d, self.tmem_s + self.tile_m) <= _TMEM_COLS
-        assert self.tmem_dq + self.dq_passes[0][1] <= _TMEM_COLS
+        assert max(self.tmem_dk + self.d_part, self.tmem_s + self.tile_m) <= _TMEM_COLS
+        assert self.tmem_dq + (self.tile_m if self.dq_t else self.dq_passes[0][1]) \
+            <= _TMEM_COLS
         log.debug("FlashBwdSm100 %s d=%d causal=%s tiles=%s", dtype, head_dim, causal, t)
 
     # ------------------------------------------------------------------ host side
@@ -298,19 +339,22 @@ class FlashBwdSm100(BwdMainCall):
         one = tcgen05.CtaGroup.ONE
         dt, tm, tn = self.dtype, self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
+        dp, dvp = self.d_part, self.dv_part  # d, dv but with head-dim halves
         # S^T = K Q^T: A = K (tn x d), B = Q (tm x d), both K-major.
         mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, one, (tn, tm))
         # dP^T = V dO^T: A = V (tn x dv), B = dO (tm x dv).
         mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, one, (tn, tm))
         # dV += P^T dO: A = P^T (tn x tm) K-major, B = dO as (dv x tm), MN-major.
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, dv))
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, dvp))
         # dK += dS^T Q: A = dS^T (tn x tm) K-major, B = Q as (d x tm), MN-major.
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, d))
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (tn, dp))
         # dQ = dS K: A = dS (tm x tn) MN-major (the dS^T tile), B = K as (d x tn), MN-major.
-        mma_dq = self._dq_mma(d)
+        # Head-dim halves, dQ^T = K^T dS^T: A = K^T (dp x tn), B = dS (tm x tn), both
+        # MN-major (Note [Head-dim halves]).
+        mma_dq = self._dq_mma(dp if self.dq_t else d)
         tilers = {
-            "s": (tn, tm, d), "dp": (tn, tm, dv), "dv": (tn, dv, tm),
-            "dk": (tn, d, tm), "dq": (tm, d, tn),
+            "s": (tn, tm, d), "dp": (tn, tm, dv), "dv": (tn, dvp, tm),
+            "dk": (tn, dp, tm), "dq": (dp, tm, tn) if self.dq_t else (tm, d, tn),
         }
         return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), tilers
 
@@ -346,8 +390,11 @@ class FlashBwdSm100(BwdMainCall):
         # same byte, so the second reader gets a re-typed view of the same bytes.
         sK_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_s, tl["s"], dt, 1),
                                 (None, None, None, 0))
-        sKt_layout = cute.slice_(sm100_utils.make_smem_layout_b(mma_dq, tl["dq"], dt, 1),
-                                 (None, None, None, 0))
+        # dQ's K^T and dS: its B and A, or with head-dim halves its A and B.
+        kt_side, ds_side = sm100_utils.make_smem_layout_b, sm100_utils.make_smem_layout_a
+        if const_expr(self.dq_t):
+            kt_side, ds_side = ds_side, kt_side
+        sKt_layout = cute.slice_(kt_side(mma_dq, tl["dq"], dt, 1), (None, None, None, 0))
         sV_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dp, tl["dp"], dt, 1),
                                 (None, None, None, 0))
         sQ_layout = sm100_utils.make_smem_layout_b(mma_s, tl["s"], dt, st)
@@ -358,8 +405,7 @@ class FlashBwdSm100(BwdMainCall):
                                  (None, None, None, 0))
         sdSt_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dk, tl["dk"], dt, 1),
                                   (None, None, None, 0))
-        sdS_layout = cute.slice_(sm100_utils.make_smem_layout_a(mma_dq, tl["dq"], dt, 1),
-                                 (None, None, None, 0))
+        sdS_layout = cute.slice_(ds_side(mma_dq, tl["dq"], dt, 1), (None, None, None, 0))
         # dQ staging: (tm, dq_cols) fp32 row-major tiles, 128B swizzle for the TMA.
         dq_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, Float32,
@@ -407,7 +453,8 @@ class FlashBwdSm100(BwdMainCall):
             raise ValueError(f"sm100 backward needs {SharedStorage.size_in_bytes()} bytes of "
                              f"shared memory, more than {_SMEM_BYTES}: fewer stages")
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
-        grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        # Head-dim halves: the CTAs of a key block are adjacent (Note [Head-dim halves]).
+        grid = (num_n_blocks * self.split, cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self.kernel(
             gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_dQ, mdQsem, mLSElog2, mDpsum, mdK, mdV,
             masks[0], masks[1], masks[2], masks[3], tma_Q, tma_K, tma_V, tma_dO, tma_dQ,
@@ -470,6 +517,10 @@ class FlashBwdSm100(BwdMainCall):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
+        part = 0  # the head-dim columns this CTA owns (Note [Head-dim halves])
+        if const_expr(self.dq_t):
+            part = n_block % self.split
+            n_block = n_block // self.split
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         if const_expr(self.deterministic):
             # Causal or masked, key blocks launch last first (det_key_block,
@@ -572,9 +623,12 @@ class FlashBwdSm100(BwdMainCall):
                 tmem.allocate(_TMEM_COLS)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
-                sQt = _as_view(sQ, sQt_layout)
-                sdOt = _as_view(sdO, sdOt_layout)
-                sKt = _as_view(sK, sKt_layout)
+                # Head-dim halves: Q^T, dO^T and K^T of this CTA's columns, whole
+                # 64-column atoms of the K-major tiles (Note [Head-dim halves]).
+                sQt, sdOt, sKt = (
+                    _as_view(sQ, sQt_layout, part * (self.d_part * tm)),
+                    _as_view(sdO, sdOt_layout, part * (self.dv_part * tm)),
+                    _as_view(sK, sKt_layout, part * (self.d_part * tn)))
                 sdS = _as_view(sdSt, sdS_layout)
                 self.mma(mma_s, mma_dp, mma_dv, mma_dk, mma_dq, sQ, sQt, sK, sKt, sV, sdO,
                          sdOt, sPt, sdSt, sdS, tmem_ptr, pipe_kv, pipe_qdo, pipe_s, pipe_dp,
@@ -589,14 +643,17 @@ class FlashBwdSm100(BwdMainCall):
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.compute(mma_s, mma_dp, mma_dv, mma_dk, mdK, mdV, sPt, sdSt, sLSE, sDpsum,
                          tmem_ptr, pipe_lse, pipe_s, pipe_dp, pipe_p, pipe_ds, pipe_dkv,
-                         tidx - 32 * _COMPUTE_WARP0, n_block, head_kv, batch, seqlen_k,
-                         m_block_min, num_m, num_iters, masks)
+                         tidx - 32 * _COMPUTE_WARP0, n_block, part, head_kv, batch,
+                         seqlen_k, m_block_min, num_m, num_iters, masks)
             tmem_bar.arrive()
         else:
             cute.arch.setmaxregister_decrease(self.tiles.regs_reduce)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            if const_expr(self.tiles.dq_direct):
+            if const_expr(self.dq_t):
+                self.reduce_dq_t(mdQaccum, tmem_ptr, pipe_dq, tidx, part, head_kv, batch,
+                                 group_size, m_block_min, num_m, num_iters)
+            elif const_expr(self.tiles.dq_direct):
                 self.reduce_dq_direct(mdQaccum, tmem_ptr, pipe_dq, tidx, head_kv, batch,
                                       group_size, m_block_min, num_m, num_iters)
             else:
@@ -671,7 +728,7 @@ class FlashBwdSm100(BwdMainCall):
         """Warp 12: every tcgen05.mma of the walk, in an order that lets the compute
         warps work on P while dP^T runs and on dS while dV runs."""
         tm, tn = self.tile_m, self.tile_n
-        d, dv = self.head_dim, self.head_dim_v
+        d = self.head_dim
         tSrK = mma_s.make_fragment_A(sK)
         tSrQ = mma_s.make_fragment_B(sQ)
         tdPrV = mma_dp.make_fragment_A(sV)
@@ -680,8 +737,10 @@ class FlashBwdSm100(BwdMainCall):
         tdVrdO = mma_dv.make_fragment_B(sdOt)
         tdKrdS = mma_dk.make_fragment_A(sdSt)
         tdKrQ = mma_dk.make_fragment_B(sQt)
-        tdQrdS = mma_dq.make_fragment_A(sdS)
-        tdQrK = mma_dq.make_fragment_B(sKt)
+        # dQ's operands, (dS, K^T), or with head-dim halves dQ^T's (K^T, dS).
+        dq_a, dq_b = (sKt, sdS) if const_expr(self.dq_t) else (sdS, sKt)
+        tdQrA = mma_dq.make_fragment_A(dq_a)
+        tdQrB = mma_dq.make_fragment_B(dq_b)
         dq_passes = []
         if const_expr(len(self.dq_passes) > 1):
             for c0, w in self.dq_passes:
@@ -690,9 +749,10 @@ class FlashBwdSm100(BwdMainCall):
                                   mma_p.make_fragment_A(sdS_p), mma_p.make_fragment_B(sKt_p)))
         tS = self._tmem_acc(mma_s, tmem_ptr, self.tmem_s, (tn, tm))
         tdP = self._tmem_acc(mma_dp, tmem_ptr, self.tmem_dp, (tn, tm))
-        tdV = self._tmem_acc(mma_dv, tmem_ptr, self.tmem_dv, (tn, dv))
-        tdK = self._tmem_acc(mma_dk, tmem_ptr, self.tmem_dk, (tn, d))
-        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, (tm, d))
+        tdV = self._tmem_acc(mma_dv, tmem_ptr, self.tmem_dv, (tn, self.dv_part))
+        tdK = self._tmem_acc(mma_dk, tmem_ptr, self.tmem_dk, (tn, self.d_part))
+        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq,
+                             (self.d_part, tm) if const_expr(self.dq_t) else (tm, d))
 
         Consumer = pipeline.PipelineUserType.Consumer
         Producer = pipeline.PipelineUserType.Producer
@@ -767,7 +827,7 @@ class FlashBwdSm100(BwdMainCall):
             if const_expr(not (self.dq_aliases_dp or self.wide)):
                 pipe_dq.producer_acquire(dq_state)
             if const_expr(len(self.dq_passes) == 1):
-                _umma(mma_dq, tdQ, tdQrdS, tdQrK, False)
+                _umma(mma_dq, tdQ, tdQrA, tdQrB, False)
                 pipe_dq.producer_commit(dq_state)
                 dq_state.advance()
             else:
@@ -797,12 +857,13 @@ class FlashBwdSm100(BwdMainCall):
     @cute.jit
     def compute(self, mma_s, mma_dp, mma_dv, mma_dk, mdK, mdV, sPt, sdSt, sLSE, sDpsum,
                 tmem_ptr, pipe_lse, pipe_s, pipe_dp, pipe_p, pipe_ds, pipe_dkv, tidx,
-                n_block, head_kv, batch, seqlen_k, m_block_min, num_m, num_iters,
+                n_block, part, head_kv, batch, seqlen_k, m_block_min, num_m, num_iters,
                 masks=None):
         """Warps 4-11: P and dS per work item, then the dK / dV epilogue.
 
         Thread t owns TMEM lane t % 128, i.e. key row n = t % 128 of S^T and dP^T,
-        and warpgroup g = t // 128 owns query columns [64 g, 64 g + 64). masks: with
+        and warpgroup g = t // 128 owns query columns [g tm / 2, (g + 1) tm / 2); part:
+        the CTA's head-dim columns of dK and dV (Note [Head-dim halves]). masks: with
         ``masked``, (query intervals, segment ids, the block's full query blocks,
         seqlen_q)."""
         tm, tn = self.tile_m, self.tile_n
@@ -976,10 +1037,10 @@ class FlashBwdSm100(BwdMainCall):
 
         if num_iters > 0:
             pipe_dkv.consumer_wait(pipeline.make_pipeline_state(Consumer, 1))
-        self.store_dkv(mma_dv, tmem_ptr, self.tmem_dv, mdV, self.head_dim_v, 1.0, tidx, wg,
-                       n_block, head_kv, batch, seqlen_k, num_iters)
-        self.store_dkv(mma_dk, tmem_ptr, self.tmem_dk, mdK, self.head_dim,
-                       self.softmax_scale, tidx, wg, n_block, head_kv, batch, seqlen_k,
+        self.store_dkv(mma_dv, tmem_ptr, self.tmem_dv, mdV, self.dv_part, 1.0, tidx, wg,
+                       n_block, part, head_kv, batch, seqlen_k, num_iters)
+        self.store_dkv(mma_dk, tmem_ptr, self.tmem_dk, mdK, self.d_part,
+                       self.softmax_scale, tidx, wg, n_block, part, head_kv, batch, seqlen_k,
                        num_iters)
 
     @cute.jit
@@ -998,17 +1059,18 @@ class FlashBwdSm100(BwdMainCall):
     @cute.jit
     def store_dkv(self, tiled_mma, tmem_ptr, col: cutlass.Constexpr[int], mX,
                   width: cutlass.Constexpr[int], scale: cutlass.Constexpr[float], tidx, wg,
-                  n_block, head_kv, batch, seqlen_k, num_iters):
+                  n_block, part, head_kv, batch, seqlen_k, num_iters):
         """dV, or dK = scale * sum dS^T Q: TMEM -> registers -> global, 32 columns at a
         time (16 where a warpgroup's half is not a multiple of 32: hdim 96);
-        warpgroup g stores columns [g * width / 2, (g + 1) * width / 2)."""
+        warpgroup g stores columns [g * width / 2, (g + 1) * width / 2) of the CTA's
+        ``width`` columns, block ``part`` of the head dim."""
         tn = self.tile_n
         chunk = 32 if (width // 2) % 32 == 0 else 16
         chunks_per_wg = width // 2 // chunk
         tX = self._tmem_acc(tiled_mma, tmem_ptr, col, (tn, width))
         tX2 = tX[(None, None), 0, 0]
         cX = cute.make_identity_tensor((tn, width))
-        gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, 0))
+        gX = cute.local_tile(mX[None, None, head_kv, batch], (tn, width), (n_block, part))
         ld_atom = cute.make_copy_atom(
             tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32)
         for c in cutlass.range_constexpr(chunks_per_wg):
@@ -1034,10 +1096,12 @@ class FlashBwdSm100(BwdMainCall):
 
     def _dq_mma(self, width: int):
         """The tiled MMA of dQ[:, c0 : c0 + width] = dS K[:, c0 : c0 + width]: the whole
-        dQ (width = head dim, ``_tiled_mmas``) or one of its passes."""
+        dQ (width = head dim, ``_tiled_mmas``) or one of its passes; with head-dim
+        halves, of dQ^T's (Note [Head-dim halves])."""
         MN = cute.nvgpu.OperandMajorMode.MN
+        shape = (width, self.tile_m) if self.dq_t else (self.tile_m, width)
         return sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, tcgen05.CtaGroup.ONE, (self.tile_m, width))
+            self.dtype, self.dtype, MN, MN, Float32, tcgen05.CtaGroup.ONE, shape)
 
     def _dq_pass_views(self, sdS, sK, c0: int, width: int):
         """(MMA, dS, K^T[c0 : c0 + width]) of one dQ pass: K^T's MN-major layout keeps
@@ -1095,6 +1159,48 @@ class FlashBwdSm100(BwdMainCall):
                         cute.arch.red(base + 4 * q, four.load().ir_value(), op="add",
                                       dtype=Float32, sem="relaxed", scope="gpu")
                 dq_state.advance()
+
+    @cute.jit
+    def reduce_dq_t(self, mdQaccum, tmem_ptr, pipe_dq, tidx, part, head_kv, batch,
+                    group_size, m_block_min, num_m, num_iters):
+        """Warps 0-3 with head-dim halves (Note [Head-dim halves]): per work item,
+        dQ^T (TMEM, lane = one of the CTA's head-dim columns, column = query) in
+        dq_cols-query chunks -> registers -> red.global.add into mdQaccum (fp32, the
+        plain (Sq_pad, D, Hq, B) view). Thread t adds column part * d_part + t of
+        every query row, so a warp's adds for one query are one 128-byte segment."""
+        tm, dp, ncol = self.tile_m, self.d_part, self.tiles.dq_cols
+        tdQ = self._tmem_acc(self._dq_mma(dp), tmem_ptr, self.tmem_dq, (dp, tm))
+        tdQ2 = tdQ[(None, None), 0, 0]
+        cdQ = cute.make_identity_tensor((dp, tm))
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
+        t2r = tcgen05.make_tmem_copy(ld_atom, cute.local_tile(tdQ2, (dp, ncol), (0, 0)))
+        thr_t2r = t2r.get_slice(tidx)
+        dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for it in cutlass.range(num_iters, unroll=1):
+            h_off = it // num_m
+            m_block = m_block_min + it - h_off * num_m
+            head_q = head_kv * group_size + h_off
+            # The item's queries x this CTA's head-dim columns.
+            gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, dp),
+                                  (m_block, part))
+            pipe_dq.consumer_wait(dq_state)
+            for c in cutlass.range_constexpr(tm // ncol):
+                tc = thr_t2r.partition_D(cute.local_tile(cdQ, (dp, ncol), (0, c)))
+                rdQ = cute.make_rmem_tensor(tc.shape, Float32)
+                cute.copy(thr_t2r, thr_t2r.partition_S(cute.local_tile(tdQ2, (dp, ncol),
+                                                                       (0, c))), rdQ)
+                cute.arch.fence_view_async_tmem_load()
+                if const_expr(c == tm // ncol - 1):
+                    # All of dQ^T is in registers: the MMA may overwrite it.
+                    pipe_dq.consumer_release(dq_state)
+                # Register j holds (this thread's head-dim column, query tc[j][1]).
+                col = gdQ[None, tc[0][0]]
+                for j in cutlass.range_constexpr(ncol):
+                    cute.arch.red(col.iterator + cute.crd2idx(tc[j][1], col.layout),
+                                  rdQ[j], op="add", dtype=Float32, sem="relaxed",
+                                  scope="gpu")
+            dq_state.advance()
 
     # ---------------------------------------------------------- dQ reduce warps
     @cute.jit
