@@ -738,7 +738,9 @@ class FlashBwdSm100(BwdMainCall):
         tdKrdS = mma_dk.make_fragment_A(sdSt)
         tdKrQ = mma_dk.make_fragment_B(sQt)
         # dQ's operands, (dS, K^T), or with head-dim halves dQ^T's (K^T, dS).
-        dq_a, dq_b = (sKt, sdS) if const_expr(self.dq_t) else (sdS, sKt)
+        dq_a, dq_b, dq_shape = sdS, sKt, (tm, d)
+        if const_expr(self.dq_t):
+            dq_a, dq_b, dq_shape = sKt, sdS, (self.d_part, tm)
         tdQrA = mma_dq.make_fragment_A(dq_a)
         tdQrB = mma_dq.make_fragment_B(dq_b)
         dq_passes = []
@@ -751,8 +753,7 @@ class FlashBwdSm100(BwdMainCall):
         tdP = self._tmem_acc(mma_dp, tmem_ptr, self.tmem_dp, (tn, tm))
         tdV = self._tmem_acc(mma_dv, tmem_ptr, self.tmem_dv, (tn, self.dv_part))
         tdK = self._tmem_acc(mma_dk, tmem_ptr, self.tmem_dk, (tn, self.d_part))
-        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq,
-                             (self.d_part, tm) if const_expr(self.dq_t) else (tm, d))
+        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, dq_shape)
 
         Consumer = pipeline.PipelineUserType.Consumer
         Producer = pipeline.PipelineUserType.Producer
