@@ -217,8 +217,11 @@ def test_wide_kernel_at_192(tmp_path, dv, masked):
     _assert_healthy(sass, _ptxas_report(tmp_path), 12 + dv // 16 + dv // 16 + 12 + 6)
     _assert_flat_dq(sass, 64 * 192)
     kernel = make()
-    assert (kernel.tile_n, kernel.stages_qdo, kernel.p_buffers) == (
-        96, 2 if dv == 128 else 1, 1)
+    # Two Q stages; two of dO at (192, 128), one of its own at 192 (Note [Split Q and dO
+    # stages]).
+    assert (kernel.tile_n, kernel.stages_qdo, kernel.stages_do, kernel.p_buffers) == (
+        96, 2, 2 if dv == 128 else 1, 1)
+    assert kernel.split_qdo == (dv == 192)
 
 
 @needs_cutlass

@@ -72,7 +72,8 @@ class Cta:
     storage: object  # the SharedStorage
     smem: dict  # SMEM tensors by name
     layouts: dict  # their layouts by name (the row statistics' as "sRow")
-    pipe_qdo: object  # Q / dO / LSElog2 / Dpsum pipeline
+    pipe_qdo: object  # Q / dO / LSElog2 / Dpsum pipeline (split: Q / LSElog2 only)
+    pipe_do: object  # split Q / dO stages: the dO / Dpsum pipeline, else None
     pipe_kv: object  # K / V pipeline
     outs: tuple  # the subclass's arguments of ``kernel``
     atoms: tuple
@@ -94,7 +95,8 @@ class Sm90BwdCommon(BwdMainCall):
       softcap: c > 0 caps each scaled logit s to c * tanh(s / c) (Note [Softcap in the
         kernels] in softmax.py); None for none.
 
-    A subclass sets head_dims, tile_m, tile_n, stages_qdo, smem_more (the names of
+    A subclass sets head_dims, tile_m, tile_n, stages_qdo (and stages_do where dO has
+    fewer stages than Q: Note [Split Q and dO stages]), smem_more (the names of
     its SMEM tensors besides Q, dO, K, V and the row statistics), the named-barrier
     ids bar_dq_full (MMA warpgroups -> dQ warp: the dQ partial is in SMEM) and
     bar_dq_empty (dQ warp -> MMA warpgroups: it may be overwritten), and defines
@@ -102,6 +104,23 @@ class Sm90BwdCommon(BwdMainCall):
 
     num_mma_wg = 2
     num_mma_threads = 128 * num_mma_wg
+
+    # Note [Split Q and dO stages]: one pipeline brings Q, dO and their row statistics
+    # per work item, in stages_qdo stages. Where a second dO stage does not fit in
+    # SMEM but a second Q stage does (the wide kernel at 192), dO and Dpsum get a
+    # pipeline of their own with stages_do stages: the next item's Q is loaded under
+    # this one, and dO is released as soon as dV has read it, before dK and dQ, so its
+    # next load starts that much earlier (flash-attn-4's hdim-192 staging). Dpsum
+    # keeps stages_qdo slots, of which the dO pipeline uses the first stages_do.
+    @property
+    def stages_do(self) -> int:
+        """dO / Dpsum stages: those of Q unless a subclass gives dO fewer."""
+        return self.stages_qdo
+
+    @property
+    def split_qdo(self) -> bool:
+        """Whether dO has a pipeline of its own (Note [Split Q and dO stages])."""
+        return self.stages_do != self.stages_qdo
     num_threads = 128 + num_mma_threads  # the load / dQ warpgroup and two MMA warpgroups
     # setmaxnreg: the load / dQ warpgroup gives its registers to the MMA warpgroups.
     regs_producer = 24
@@ -148,7 +167,7 @@ class Sm90BwdCommon(BwdMainCall):
         # takes 48 columns, which the 64-byte swizzle's 32-column atoms do not divide.
         k_cols = d // (self.num_mma_wg // (tm // 64))
         return (sm90_smem_layout(self.dtype, tm, d, st),
-                sm90_smem_layout(self.dtype, tm, dv, st),
+                sm90_smem_layout(self.dtype, tm, dv, self.stages_do),
                 sm90_smem_layout(self.dtype, tn, d, None, swizzle_cols=k_cols),
                 sm90_smem_layout(self.dtype, tn, dv, None),
                 cute.make_layout((tm, st), stride=(1, row_stage)), row_stage)
@@ -157,7 +176,7 @@ class Sm90BwdCommon(BwdMainCall):
                    sV_layout):
         """TMA atoms and their global views for Q, K, V, dO, LSElog2 and Dpsum (in
         that order, as (atom, view) pairs), and the transaction bytes of one Q/dO
-        stage and of K + V."""
+        stage (split: of Q and of dO, a pair) and of K + V."""
         d, dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         atoms = (
@@ -168,9 +187,9 @@ class Sm90BwdCommon(BwdMainCall):
             cpasync.make_tiled_tma_atom(g2s, mLSElog2, cute.make_layout(tm), (tm,)),
             cpasync.make_tiled_tma_atom(g2s, mDpsum, cute.make_layout(tm), (tm,)),
         )
-        bytes_qdo = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-                     + cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
-                     + 2 * tm * 4)
+        bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + tm * 4
+        bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + tm * 4
+        bytes_qdo = (bytes_q, bytes_do) if self.split_qdo else bytes_q + bytes_do
         bytes_kv = (cute.size_in_bytes(self.dtype, sK_layout)
                     + cute.size_in_bytes(self.dtype, sV_layout))
         return atoms, bytes_qdo, bytes_kv
@@ -185,6 +204,7 @@ class Sm90BwdCommon(BwdMainCall):
         fields = {
             "mbar_qdo": mr[cutlass.Int64, 2 * st],
             "mbar_kv": mr[cutlass.Int64, 2],
+            **({"mbar_do": mr[cutlass.Int64, 2 * self.stages_do]} if self.split_qdo else {}),
             "sLSE": al[mr[Float32, row_stage * st], 128],
             "sDpsum": al[mr[Float32, row_stage * st], 128],
         }
@@ -199,7 +219,7 @@ class Sm90BwdCommon(BwdMainCall):
                              f"than the {SM90_MAX_SMEM_BYTES} sm_90 allows")
         return storage
 
-    def launch_kernel(self, mK, loads, outs, tma_loads, atoms, layouts, mmas, bytes_qdo: int,
+    def launch_kernel(self, mK, loads, outs, tma_loads, atoms, layouts, mmas, bytes_qdo,
                       bytes_kv: int, SharedStorage, stream, masks: tuple = ()) -> None:
         """Launch ``kernel`` with one CTA per (key block, kv head, batch entry) of K
         (``mK``: (Sk, D, Hkv, B)), on the subclass's ``grid``. masks: with
@@ -233,7 +253,7 @@ class Sm90BwdCommon(BwdMainCall):
         atoms: tuple,  # the subclass's other TMA atoms
         layouts: tuple,  # SMEM layouts: Q, dO, K, V, the row statistics, ``smem_more``
         mmas: tuple,  # the subclass's tiled MMAs
-        bytes_qdo: cutlass.Constexpr[int],
+        bytes_qdo: cutlass.Constexpr,  # an int, or split a pair (``load_atoms``)
         bytes_kv: cutlass.Constexpr[int],
         SharedStorage: cutlass.Constexpr,
     ):
@@ -250,7 +270,7 @@ class Sm90BwdCommon(BwdMainCall):
             for atom in tma_loads + atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        pipe_qdo, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
+        pipe_qdo, pipe_do, pipe_kv = self.make_pipelines(storage, bytes_qdo, bytes_kv)
         names = ("sQ", "sdO", "sK", "sV", "sRow") + self.smem_more
         by_name = dict(zip(names, layouts, strict=True))
         smem = {}
@@ -272,7 +292,8 @@ class Sm90BwdCommon(BwdMainCall):
         work, full = self.work_list(coords, mQ, mK, masks[0], masks[3])
         cta = Cta(coords=coords, work=work, masks=masks[:3], walks=masks[3], full=full,
                   seqlen_k=mK.shape[0], storage=storage, smem=smem, layouts=by_name,
-                  pipe_qdo=pipe_qdo, pipe_kv=pipe_kv, outs=outs, atoms=atoms, mmas=mmas)
+                  pipe_qdo=pipe_qdo, pipe_do=pipe_do, pipe_kv=pipe_kv, outs=outs, atoms=atoms,
+                  mmas=mmas)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.regs_producer)
@@ -310,22 +331,30 @@ class Sm90BwdCommon(BwdMainCall):
         cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
                                  number_of_threads=dq_threads)
 
-    def make_pipelines(self, storage, bytes_qdo: int, bytes_kv: int):
-        """(Q/dO/row-statistics pipeline, K/V pipeline), both fed by TMA from warp 0."""
+    def make_pipelines(self, storage, bytes_qdo, bytes_kv: int):
+        """(Q/dO/row-statistics pipeline, dO pipeline or None, K/V pipeline), all fed
+        by TMA from warp 0 (Note [Split Q and dO stages])."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # One arrive per consumer warp (the pipeline elects lane 0 of each warp).
         consumer_group = pipeline.CooperativeGroup(
             pipeline.Agent.Thread, self.num_mma_threads // 32)
+        bytes_q, pipe_do = bytes_qdo, None
+        if const_expr(self.split_qdo):
+            bytes_q, bytes_do = bytes_qdo
+            pipe_do = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.stages_do,
+                producer_group=producer_group, consumer_group=consumer_group,
+                tx_count=bytes_do, defer_sync=True)
         pipe_qdo = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.stages_qdo,
             producer_group=producer_group, consumer_group=consumer_group,
-            tx_count=bytes_qdo, defer_sync=True)
+            tx_count=bytes_q, defer_sync=True)
         # This one fences and syncs the CTA after both pipelines' mbarrier inits.
         pipe_kv = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
             producer_group=producer_group, consumer_group=consumer_group,
             tx_count=bytes_kv, defer_sync=False)
-        return pipe_qdo, pipe_kv
+        return pipe_qdo, pipe_do, pipe_kv
 
     def work_list(self, coords, mQ: cute.Tensor, mK: cute.Tensor, mRanges, mWalks=None):
         """((group, m_block_min, num_m, num_iters), full): every (query head of the
@@ -366,12 +395,13 @@ class Sm90BwdCommon(BwdMainCall):
     @cute.jit
     def load(self, cta, loads, tma_loads):
         """Warp 0: K and V of this block once, then Q, dO and their row statistics
-        per work item (one mbarrier transaction per item)."""
+        per work item (one mbarrier transaction per item; split, one for Q and its
+        LSE rows, one for dO and its Dpsum rows)."""
         mQ, _, _, mdO, mLSElog2, mDpsum = loads
         tma_Q, _, _, tma_dO, tma_LSE, tma_Dpsum = tma_loads
         n_block, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
-        smem, pipe_qdo, pipe_kv = cta.smem, cta.pipe_qdo, cta.pipe_kv
+        smem, pipe_qdo, pipe_do, pipe_kv = cta.smem, cta.pipe_qdo, cta.pipe_do, cta.pipe_kv
         tm = self.tile_m
         d, dv = self.head_dim, self.head_dim_v
         if const_expr(not self.masked):  # masked, K and V are on their way already
@@ -379,6 +409,9 @@ class Sm90BwdCommon(BwdMainCall):
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.stages_qdo)
+        # Split: dO's own producer state (Note [Split Q and dO stages]); else unused.
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.stages_do)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
@@ -394,8 +427,16 @@ class Sm90BwdCommon(BwdMainCall):
             s = state.index
             cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, s], tma_bar_ptr=bar)
             cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
-            cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
+            if const_expr(self.split_qdo):  # Note [Split Q and dO stages]
+                pipe_do.producer_acquire(do_state)
+                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, do_state.index],
+                          tma_bar_ptr=pipe_do.producer_get_barrier(do_state))
+                cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, do_state.index],
+                          tma_bar_ptr=pipe_do.producer_get_barrier(do_state))
+                do_state.advance()
+            if const_expr(not self.split_qdo):
+                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, s], tma_bar_ptr=bar)
+                cute.copy(tma_Dpsum, tDgD[None, m_block], tDsD[None, s], tma_bar_ptr=bar)
             state.advance()
 
     @cute.jit

@@ -44,10 +44,10 @@ statistics (222208 bytes), within the 227 KiB a CTA may use. A second Q/dO stage
 exposed except for the overlap with the previous block's dQ GEMM and hand-off.
 At 192 (96-key blocks) Q is 24 KiB, K 36 KiB, the dQ tile 48 KiB, P and dS 12 KiB
 each: with dO and V of 16 / 24 KiB, (192, 128) takes two Q/dO stages (212 KiB),
-which load the next block under the current one; (192, 192) one (192 KiB; a
-second would need 240). flash-attn-4's hdim-192 backward stages (192, 128) the
-same way; at (192, 192) it gives Q two stages and dO one, which this kernel's joint
-Q/dO pipeline cannot.
+which load the next block under the current one; (192, 192) two of Q and one of
+dO (216 KiB; two of both would need 240), dO in a pipeline of its own (Note [Split
+Q and dO stages] in sm90_bwd_common.py), as flash-attn-4's hdim-192 backward stages
+them.
 
 Note [P/dS buffers]: at 256 every warpgroup reads all of P (dV^T) and all of dS
 (dK^T and dQ), and each writes only its own 32 columns, so a barrier over both
@@ -141,8 +141,13 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
 
     @property
     def stages_qdo(self) -> int:
-        """Q / dO / LSElog2 / Dpsum pipeline stages: 2 where they fit ((192, 128),
-        Note [Wide shared memory])."""
+        """Q / LSElog2 stages: 2 where they fit (192, Note [Wide shared memory])."""
+        return 2 if self.head_dim == 192 else 1
+
+    @property
+    def stages_do(self) -> int:
+        """dO / Dpsum stages: 2 where they fit too ((192, 128)); at (192, 192) one, in
+        a pipeline of its own (Note [Split Q and dO stages] in sm90_bwd_common.py)."""
         return 2 if self.head_dim_v == 128 else 1
 
     @property
@@ -259,7 +264,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sDpsum = cta.smem.values()
         _, mdK, mdV = cta.outs
         mma_sdp, mma_dk, mma_dv, mma_dq = cta.mmas
-        pipe_qdo, pipe_kv = cta.pipe_qdo, cta.pipe_kv
+        pipe_qdo, pipe_do, pipe_kv = cta.pipe_qdo, cta.pipe_do, cta.pipe_kv
         n_block, head_kv, batch = cta.coords
         _, m_block_min, num_m, num_iters = cta.work
         seqlen_k = cta.seqlen_k
@@ -303,9 +308,15 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         key_limit = seqlen_k - n_block * tn
         kmask = self.key_mask(cta, tScS, 1)
         state = self.mma_start(pipe_kv, num_iters)
+        # Split: dO's own consumer state (Note [Split Q and dO stages]); else unused.
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.stages_do)
         for it in cutlass.range(num_iters, unroll=1):
             _, m_block = self.work_item(it, head_kv, 0, m_block_min, num_m)
             stage = state.index
+            do_stage = stage
+            if const_expr(self.split_qdo):
+                do_stage = do_state.index
             buf = it % self.p_buffers
 
             # Segment ids: keep bits before the GEMMs' accumulators are live.
@@ -313,15 +324,18 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             pipe_qdo.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
             wgmma_gemm(mma_sdp, acc_S, tSrQ[None, None, None, stage], tSrK, zero_init=True)
+            if const_expr(self.split_qdo):
+                pipe_do.consumer_wait(do_state)
             acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((tm, tn)), Float32)
-            wgmma_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, stage], tdPrV, zero_init=True)
+            wgmma_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, do_stage], tdPrV,
+                       zero_init=True)
 
             # Row statistics of this thread's queries (+inf / 0 on padding rows).
             lse = cute.make_rmem_tensor((n_rows,), Float32)
             dpsum = cute.make_rmem_tensor((n_rows,), Float32)
             for r in cutlass.range_constexpr(n_rows):
                 lse[r] = sLSE[tScS[r, 0][0], stage]
-                dpsum[r] = sDpsum[tScS[r, 0][0], stage]
+                dpsum[r] = sDpsum[tScS[r, 0][0], do_stage]
             warpgroup.wait_group(1)  # S done
 
             S = acc_mn_view(acc_S)
@@ -349,7 +363,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             cute.arch.fence_view_async_shared()
             p_bar.arrive_and_wait()
             # dV^T runs on the tensor cores while dS is computed.
-            wgmma_gemm(mma_dv, acc_dV, tdVrdOt[None, None, None, stage],
+            wgmma_gemm(mma_dv, acc_dV, tdVrdOt[None, None, None, do_stage],
                        tdVrPt[None, None, None, buf], zero_init=False)
             warpgroup.wait_group(1)  # dP done (dV^T may still run)
 
@@ -364,6 +378,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             cute.copy(copy_pds, thr_copy_pds.retile(rdS), tdSsdS)
             cute.arch.fence_view_async_shared()
             ds_bar.arrive_and_wait()
+            if const_expr(self.split_qdo):
+                # dV^T, the last reader of dO, is done (it ran under dS): dO's stage is
+                # free before dK and dQ are issued (Note [Split Q and dO stages]).
+                warpgroup.wait_group(0)
+                pipe_do.consumer_release(do_state)
+                do_state.advance()
 
             # dK before dQ: Q and dO are then free as soon as dK is done, so the
             # next block's Q/dO load overlaps the dQ GEMM and its SMEM hand-off.
@@ -373,7 +393,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
 
             warpgroup.wait_group(1)  # dV and dK done: nothing reads this stage
-            pipe_qdo.consumer_release(state)
+            pipe_qdo.consumer_release(state)  # split: Q's (dO's went above)
             warpgroup.wait_group(0)  # dQ done
             self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, 0, dq_threads)
             state.advance()
