@@ -95,10 +95,33 @@ def test_operand_views_alias(head_dim):
         _check_operand_views(head_dim)
 
 
+def _operand_layout(mma, tiler, side: str):
+    """The one-stage SMEM layout of an MMA's A or B operand tile (bf16)."""
+    import cutlass
+    import cutlass.utils.blackwell_helpers as sm100_utils
+
+    make = sm100_utils.make_smem_layout_a if side == "A" else sm100_utils.make_smem_layout_b
+    return make(mma, tiler, cutlass.BFloat16, 1)
+
+
+def _first_stage(layout):
+    import cutlass.cute as cute
+
+    return cute.slice_(layout.outer, (None, None, None, 0))
+
+
+def _operand_coords(mma, side: str, shape):
+    """The (row, column) coordinates of an A or B operand tile in MMA order."""
+    import cutlass.cute as cute
+
+    thr = mma.get_slice(0)
+    part = thr.partition_A if side == "A" else thr.partition_B
+    return part(cute.make_identity_tensor(shape))
+
+
 def _check_operand_views(head_dim: int) -> None:
     import cutlass
     import cutlass.cute as cute
-    import cutlass.utils.blackwell_helpers as sm100_utils
 
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, _rows_cols
 
@@ -110,18 +133,10 @@ def _check_operand_views(head_dim: int) -> None:
         (ms, mdp, mdv, mdk, mdq), tl = kernel._tiled_mmas()
         dt = cutlass.BFloat16
 
-        def first_stage(layout):
-            return cute.slice_(layout.outer, (None, None, None, 0))
-
         def operand(mma, tiler, side):
-            make = sm100_utils.make_smem_layout_a if side == "A" else \
-                sm100_utils.make_smem_layout_b
-            return make(mma, tl[tiler], dt, 1)
+            return _operand_layout(mma, tl[tiler], side)
 
-        def coords(mma, side, shape):
-            thr = mma.get_slice(0)
-            part = thr.partition_A if side == "A" else thr.partition_B
-            return part(cute.make_identity_tensor(shape))
+        first_stage, coords = _first_stage, _operand_coords
 
         # (writer layout, reader layout): the reader sees the tile transposed.
         pairs = [
@@ -335,7 +350,6 @@ def test_head_dim_halves_alias_the_tiles():
 def _check_half_views() -> None:
     import cutlass
     import cutlass.cute as cute
-    import cutlass.utils.blackwell_helpers as sm100_utils
 
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, _rows_cols
 
@@ -348,14 +362,9 @@ def _check_half_views() -> None:
         dt, tm, tn, dp = cutlass.BFloat16, kernel.tile_m, kernel.tile_n, kernel.d_part
 
         def layout(mma, tiler, side):
-            make = sm100_utils.make_smem_layout_a if side == "A" else \
-                sm100_utils.make_smem_layout_b
-            return make(mma, tl[tiler], dt, 1)
+            return _operand_layout(mma, tl[tiler], side)
 
-        def coords(mma, side, shape):
-            thr = mma.get_slice(0)
-            part = thr.partition_A if side == "A" else thr.partition_B
-            return part(cute.make_identity_tensor(shape))
+        coords = _operand_coords
 
         # (writer, its (rows, cols), reader, its (rows, cols), rows of the writer per
         # reader column block): reader element (r, c) of half h is the writer's
@@ -369,8 +378,7 @@ def _check_half_views() -> None:
         for (m1, t1, s1), shape1, (m2, t2, s2), shape2, rows in views:
             l1, l2 = layout(m1, t1, s1), layout(m2, t2, s2)
             assert str(l1.inner) == str(l2.inner)
-            o1 = cute.slice_(l1.outer, (None, None, None, 0))
-            o2 = cute.slice_(l2.outer, (None, None, None, 0))
+            o1, o2 = _first_stage(l1), _first_stage(l2)
             c1, c2 = coords(m1, s1, shape1), coords(m2, s2, shape2)
             where = {}
             for i in cutlass.range_constexpr(cute.size(o1)):
@@ -381,7 +389,7 @@ def _check_half_views() -> None:
                     assert where[(c, h * dp + r)] == o2(i) + h * dp * rows
         # The compute warps' (key, query) views of P^T and dS^T.
         for mma, tiler in ((mdv, "dv"), (mdk, "dk")):
-            o = cute.slice_(layout(mma, tiler, "A").outer, (None, None, None, 0))
+            o = _first_stage(layout(mma, tiler, "A"))
             rc = _rows_cols(cute.make_tensor(cute.make_ptr(dt, 0, cute.AddressSpace.smem), o),
                             tn, tm)
             c = coords(mma, "A", (tn, tm))

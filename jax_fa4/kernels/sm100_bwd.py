@@ -1143,14 +1143,8 @@ class FlashBwdSm100(BwdMainCall):
                 thr_t2r = t2r.get_slice(tidx)
                 pipe_dq.consumer_wait(dq_state)
                 for c in cutlass.range_constexpr(w // ncol):
-                    tc = thr_t2r.partition_D(cute.local_tile(cdQ, (tm, ncol), (0, c)))
-                    rdQ = cute.make_rmem_tensor(tc.shape, Float32)
-                    cute.copy(thr_t2r, thr_t2r.partition_S(cute.local_tile(tdQ2, (tm, ncol),
-                                                                           (0, c))), rdQ)
-                    cute.arch.fence_view_async_tmem_load()
-                    if const_expr(c == w // ncol - 1):
-                        # All of this pass is in registers: the MMA may overwrite it.
-                        pipe_dq.consumer_release(dq_state)
+                    tc, rdQ = self._dq_chunk(thr_t2r, tdQ2, cdQ, (tm, ncol), c,
+                                             c == w // ncol - 1, pipe_dq, dq_state)
                     # Register j holds column j of the chunk (32x32b loads return a
                     # lane's columns in order), D contiguous in the accumulator.
                     row = gdQ[tc[0][0], None]
@@ -1160,6 +1154,20 @@ class FlashBwdSm100(BwdMainCall):
                         cute.arch.red(base + 4 * q, four.load().ir_value(), op="add",
                                       dtype=Float32, sem="relaxed", scope="gpu")
                 dq_state.advance()
+
+    @cute.jit
+    def _dq_chunk(self, thr_t2r, tdQ2, cdQ, tile: cutlass.Constexpr, c: cutlass.Constexpr[int],
+                  last: cutlass.Constexpr[bool], pipe_dq, dq_state):
+        """(coordinates, registers) of chunk c, a ``tile`` of dQ (or dQ^T) in TMEM, read
+        by the reduce warps; after the ``last`` chunk of a pass the MMA may overwrite
+        the columns (dq released)."""
+        tc = thr_t2r.partition_D(cute.local_tile(cdQ, tile, (0, c)))
+        rdQ = cute.make_rmem_tensor(tc.shape, Float32)
+        cute.copy(thr_t2r, thr_t2r.partition_S(cute.local_tile(tdQ2, tile, (0, c))), rdQ)
+        cute.arch.fence_view_async_tmem_load()
+        if const_expr(last):
+            pipe_dq.consumer_release(dq_state)
+        return tc, rdQ
 
     @cute.jit
     def reduce_dq_t(self, mdQaccum, tmem_ptr, pipe_dq, tidx, part, head_kv, batch,
@@ -1187,14 +1195,8 @@ class FlashBwdSm100(BwdMainCall):
                                   (m_block, part))
             pipe_dq.consumer_wait(dq_state)
             for c in cutlass.range_constexpr(tm // ncol):
-                tc = thr_t2r.partition_D(cute.local_tile(cdQ, (dp, ncol), (0, c)))
-                rdQ = cute.make_rmem_tensor(tc.shape, Float32)
-                cute.copy(thr_t2r, thr_t2r.partition_S(cute.local_tile(tdQ2, (dp, ncol),
-                                                                       (0, c))), rdQ)
-                cute.arch.fence_view_async_tmem_load()
-                if const_expr(c == tm // ncol - 1):
-                    # All of dQ^T is in registers: the MMA may overwrite it.
-                    pipe_dq.consumer_release(dq_state)
+                tc, rdQ = self._dq_chunk(thr_t2r, tdQ2, cdQ, (dp, ncol), c,
+                                         c == tm // ncol - 1, pipe_dq, dq_state)
                 # Register j holds (this thread's head-dim column, query tc[j][1]).
                 col = gdQ[None, tc[0][0]]
                 for j in cutlass.range_constexpr(ncol):
