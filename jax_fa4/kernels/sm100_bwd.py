@@ -690,9 +690,7 @@ class FlashBwdSm100(BwdMainCall):
         qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, st)
         lse_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, st)
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group_size + h_off
+            head_q, m_block = self._work_item(it, head_kv, group_size, m_block_min, num_m)
             gQ = cute.local_tile(mQ[None, None, head_q, batch], (tm, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head_q, batch], (tm, dv), (None, 0))
             tQsQ, tQgQ = tma_tile_partition(tma_Q, sQ, thr_s.partition_B(gQ), rank=3)
@@ -847,6 +845,13 @@ class FlashBwdSm100(BwdMainCall):
         if num_iters > 0:
             pipe_dkv.producer_commit(pipeline.make_pipeline_state(Producer, 1))
 
+    @staticmethod
+    def _work_item(it, head_kv, group_size, m_block_min, num_m):
+        """(query head, query block) of work item ``it``: every query block of the
+        walk for one query head of the GQA group, then the next head."""
+        h_off = it // num_m
+        return head_kv * group_size + h_off, m_block_min + it - h_off * num_m
+
     @cute.jit
     def _tmem_acc(self, tiled_mma, tmem_ptr, col: cutlass.Constexpr[int], shape_mn):
         """The fp32 accumulator of `tiled_mma` at TMEM column `col`."""
@@ -923,8 +928,7 @@ class FlashBwdSm100(BwdMainCall):
         ds_state = pipeline.make_pipeline_state(Producer, 1)
 
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
+            _, m_block = self._work_item(it, 0, 0, m_block_min, num_m)
             # First visible local query column of this key row (relative to this
             # warpgroup's half): keys past seqlen_k see nothing; causal keys see
             # queries m >= n.
@@ -1131,9 +1135,7 @@ class FlashBwdSm100(BwdMainCall):
             tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group_size + h_off
+            head_q, m_block = self._work_item(it, head_kv, group_size, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
             for c0, w in self.dq_passes:
                 tdQ = self._tmem_acc(self._dq_mma(w), tmem_ptr, self.tmem_dq, (tm, w))
@@ -1154,6 +1156,18 @@ class FlashBwdSm100(BwdMainCall):
                         cute.arch.red(base + 4 * q, four.load().ir_value(), op="add",
                                       dtype=Float32, sem="relaxed", scope="gpu")
                 dq_state.advance()
+
+    def _dq_reader(self, mma_dq, tmem_ptr, shape, tidx):
+        """(dQ's TMEM accumulator as (rows, cols), its coordinates, this reduce
+        thread's TMEM load of dq_cols columns at a time) for the reduce warps; dQ^T's
+        with head-dim halves."""
+        ncol = self.tiles.dq_cols
+        tdQ2 = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, shape)[(None, None), 0, 0]
+        ld_atom = cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
+        t2r = tcgen05.make_tmem_copy(ld_atom,
+                                     cute.local_tile(tdQ2, (shape[0], ncol), (0, 0)))
+        return tdQ2, cute.make_identity_tensor(shape), t2r.get_slice(tidx)
 
     @cute.jit
     def _dq_chunk(self, thr_t2r, tdQ2, cdQ, tile: cutlass.Constexpr, c: cutlass.Constexpr[int],
@@ -1178,18 +1192,10 @@ class FlashBwdSm100(BwdMainCall):
         plain (Sq_pad, D, Hq, B) view). Thread t adds column part * d_part + t of
         every query row, so a warp's adds for one query are one 128-byte segment."""
         tm, dp, ncol = self.tile_m, self.d_part, self.tiles.dq_cols
-        tdQ = self._tmem_acc(self._dq_mma(dp), tmem_ptr, self.tmem_dq, (dp, tm))
-        tdQ2 = tdQ[(None, None), 0, 0]
-        cdQ = cute.make_identity_tensor((dp, tm))
-        ld_atom = cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
-        t2r = tcgen05.make_tmem_copy(ld_atom, cute.local_tile(tdQ2, (dp, ncol), (0, 0)))
-        thr_t2r = t2r.get_slice(tidx)
+        tdQ2, cdQ, thr_t2r = self._dq_reader(self._dq_mma(dp), tmem_ptr, (dp, tm), tidx)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group_size + h_off
+            head_q, m_block = self._work_item(it, head_kv, group_size, m_block_min, num_m)
             # The item's queries x this CTA's head-dim columns.
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, dp),
                                   (m_block, part))
@@ -1222,21 +1228,13 @@ class FlashBwdSm100(BwdMainCall):
         tm, d = self.tile_m, self.head_dim
         ncol, nstage = self.tiles.dq_cols, self.tiles.dq_stages
         nchunk = d // ncol
-        tdQ = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, (tm, d))
-        tdQ2 = tdQ[(None, None), 0, 0]
-        cdQ = cute.make_identity_tensor((tm, d))
-        ld_atom = cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
-        t2r = tcgen05.make_tmem_copy(ld_atom, cute.local_tile(tdQ2, (tm, ncol), (0, 0)))
-        thr_t2r = t2r.get_slice(tidx)
+        tdQ2, cdQ, thr_t2r = self._dq_reader(mma_dq, tmem_ptr, (tm, d), tidx)
         reduce_bar = pipeline.NamedBarrier(barrier_id=_BAR_REDUCE, num_threads=128)
         is_leader = tidx == 0
 
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for it in cutlass.range(num_iters, unroll=1):
-            h_off = it // num_m
-            m_block = m_block_min + it - h_off * num_m
-            head_q = head_kv * group_size + h_off
+            head_q, m_block = self._work_item(it, head_kv, group_size, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, ncol),
                                   (m_block, None))  # (tm, ncol, nchunk)
             tsdQ, tgdQ = tma_tile_partition(tma_dQ, sdQ, gdQ)
