@@ -850,7 +850,8 @@ class FlashBwdSm100(BwdMainCall):
         """(query head, query block) of work item ``it``: every query block of the
         walk for one query head of the GQA group, then the next head."""
         h_off = it // num_m
-        return head_kv * group_size + h_off, m_block_min + it - h_off * num_m
+        m_block = m_block_min + it - h_off * num_m
+        return head_kv * group_size + h_off, m_block
 
     @cute.jit
     def _tmem_acc(self, tiled_mma, tmem_ptr, col: cutlass.Constexpr[int], shape_mn):
@@ -1163,11 +1164,12 @@ class FlashBwdSm100(BwdMainCall):
         with head-dim halves."""
         ncol = self.tiles.dq_cols
         tdQ2 = self._tmem_acc(mma_dq, tmem_ptr, self.tmem_dq, shape)[(None, None), 0, 0]
+        cdQ = cute.make_identity_tensor(shape)
         ld_atom = cute.make_copy_atom(
             tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
         t2r = tcgen05.make_tmem_copy(ld_atom,
                                      cute.local_tile(tdQ2, (shape[0], ncol), (0, 0)))
-        return tdQ2, cute.make_identity_tensor(shape), t2r.get_slice(tidx)
+        return tdQ2, cdQ, t2r.get_slice(tidx)
 
     @cute.jit
     def _dq_chunk(self, thr_t2r, tdQ2, cdQ, tile: cutlass.Constexpr, c: cutlass.Constexpr[int],
