@@ -195,6 +195,7 @@ def test_sm90_forward_with_sinks_keeps_registers(tmp_path):
                                                                               np.int32))),
                                   (128, dict(causal=True)),
                                   (256, dict()),
+                                  (96, dict(causal=True)),
                                   (64, dict(causal=True, deterministic=True))])
 def test_gpu_kernels_with_sinks(d, kw):
     """On the GPU, kernels only (``implementation="cute"``): the forward with sinks,

@@ -197,6 +197,7 @@ def test_sm100_softcap_builds(tmp_path, direction):
     (128, dict(causal=True)),
     (64, dict(causal=True, window=(128, 0))),
     (256, dict()),
+    (96, dict(causal=True, window=(128, 0))),
     (128, dict(causal=True, kv_lengths=np.array([300, 0], np.int32), deterministic=True)),
     (64, dict(causal="bottom_right", sinks=True)),
 ])

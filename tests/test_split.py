@@ -160,6 +160,7 @@ GPU_CASES = [
     (2, 5, 1500, 8, 2, 64, [1500, 77], "bottom_right"),  # multi-token decode
     (1, 1, 4000, 8, 8, 256, [3333], "bottom_right"),
     (2, 64, 9000, 8, 8, 128, None, True),  # a short chunk against a long cache
+    (3, 1, 3000, 32, 8, 96, [0, 1, 2999], "bottom_right"),  # hdim 96's 192-row tile
 ]
 
 
