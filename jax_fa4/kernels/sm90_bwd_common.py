@@ -104,6 +104,10 @@ class Sm90BwdCommon(BwdMainCall):
 
     num_mma_wg = 2
     num_mma_threads = 128 * num_mma_wg
+    num_threads = 128 + num_mma_threads  # the load / dQ warpgroup and two MMA warpgroups
+    # setmaxnreg: the load / dQ warpgroup gives its registers to the MMA warpgroups.
+    regs_producer = 24
+    regs_mma = 240
 
     # Note [Split Q and dO stages]: one pipeline brings Q, dO and their row statistics
     # per work item, in stages_qdo stages. Where a second dO stage does not fit in
@@ -121,10 +125,6 @@ class Sm90BwdCommon(BwdMainCall):
     def split_qdo(self) -> bool:
         """Whether dO has a pipeline of its own (Note [Split Q and dO stages])."""
         return self.stages_do != self.stages_qdo
-    num_threads = 128 + num_mma_threads  # the load / dQ warpgroup and two MMA warpgroups
-    # setmaxnreg: the load / dQ warpgroup gives its registers to the MMA warpgroups.
-    regs_producer = 24
-    regs_mma = 240
 
     def __init__(
         self,
