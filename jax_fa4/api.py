@@ -17,11 +17,9 @@ from jax.custom_derivatives import SymbolicZero
 from jax_fa4 import reference
 from jax_fa4.config import (
     CAUSAL_MODES,
-    DETERMINISTIC_BWD_HEAD_DIMS,
     IMPLEMENTATIONS,
     AttentionConfig,
     any_kernel_support_error,
-    deterministic_bwd_support_error,
 )
 from jax_fa4.reference import Masks
 from jax_fa4.rules.primitives import fa4_bwd_p, fa4_fwd_p, log_once
@@ -327,10 +325,10 @@ def attention(
         "cute" = the kernel or a clear error; "reference" = pure JAX.
       deterministic: make the backward bitwise reproducible. The default
         backward adds the dQ partials of its key blocks in whatever order they
-        finish; this one adds them in a fixed key-block order (head dims 64, 96
-        and 128 on sm_90a, and sm_100a: compiled, not run on hardware; masks
-        included; 0.81-0.98x the default backward's speed on the H200 without
-        masks). Where no deterministic kernel
+        finish; this one adds them in a fixed key-block order (every head dim on
+        sm_90a; 64, 96, 128 and (192, 128) on sm_100a, compiled, not run on
+        hardware; masks included; 0.81-0.98x the default backward's speed on the
+        H200 without masks at head dims up to 128). Where no deterministic kernel
         exists the backward runs the reference path (logged once), or raises
         with ``implementation="cute"``. The forward is deterministic either way.
 
@@ -352,11 +350,6 @@ def attention(
     _check_implementation(implementation, query.dtype, head_dim, head_dim_v)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a Python bool, got {type(deterministic).__name__}")
-    if deterministic and implementation == "cute":
-        errs = [deterministic_bwd_support_error(a, head_dim, head_dim_v)
-                for a in DETERMINISTIC_BWD_HEAD_DIMS]
-        if all(errs):
-            raise ValueError(f"jax_fa4: implementation='cute' and deterministic=True but {errs[0]}")
     is_causal, bottom_right = _resolve_causal(causal)
     window = _resolve_window(window)
     unbatched = query.ndim == 3

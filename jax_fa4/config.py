@@ -191,9 +191,9 @@ def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> st
 
 # The (head dim, head dim v) pairs with a deterministic backward kernel, per arch.
 DETERMINISTIC_BWD_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (96, 96), (128, 128)),
+    "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256)),
     # Compiled, not run on hardware: no Blackwell GPU has been available.
-    "sm_100a": ((64, 64), (96, 96), (128, 128)),
+    "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128)),
 }
 
 

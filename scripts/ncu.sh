@@ -3,6 +3,7 @@
 # training step each (scripts/profile_step.py), on a GPU machine with ncu.
 #   bash scripts/ncu.sh [hdim] [seqlen] [impls] [causal flags]
 #   e.g. bash scripts/ncu.sh 128 4096 "jax_fa4 fa4" "0 1"
+#   bash scripts/ncu.sh --case mla [impls]   # a masked row of bench_masks.py
 # The backward kernels by default (preprocess, main kernel, postprocess: 3 launches);
 # the forward instead: KERNEL_RE='(?i)fwd|forward' LAUNCHES=1 PREFIX=ncufwd.
 # For each case <PREFIX>_<impl>_d<hdim>_s<seqlen>_c<causal>: the report (.ncu-rep,
@@ -14,7 +15,12 @@
 # ncu locks the clocks, so its durations are longer than the benchmark's; for
 # durations at the normal clocks use scripts/kernel_times.sh.
 set -uo pipefail
-d=${1:-128}; s=${2:-4096}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
+if [[ ${1:-} == --case ]]; then
+  shape=(--case "$2"); d=$2; s=case; impls=${3:-"jax_fa4 fa4"}; causals=0
+else
+  d=${1:-128}; s=${2:-4096}; impls=${3:-"jax_fa4 fa4"}; causals=${4:-"0 1"}
+  shape=(--hdim "$d" --seqlen "$s")
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "${OUT:-bench_out}"; final=$(cd "${OUT:-bench_out}" && pwd)
 out=${NCU_DIR:-/tmp/ncu_reports}; mkdir -p "$out"
@@ -35,8 +41,8 @@ for impl in $impls; do
     timeout "${NCU_TIMEOUT:-240}" ncu --set full --import-source no \
       --kernel-name "regex:${KERNEL_RE:-(?i)bwd}" --launch-count "${LAUNCHES:-3}" \
       -f -o "$out/$tag" \
-      python "$here/profile_step.py" --impl "$impl" --hdim "$d" --seqlen "$s" --warmup 0 $flag \
-      > "$out/$tag.log" 2>&1 || { echo "$tag: ncu failed"; tail -5 "$out/$tag.log"; continue; }
+      python "$here/profile_step.py" --impl "$impl" --warmup 0 $flag \
+      "${shape[@]}" > "$out/$tag.log" 2>&1 || { echo "$tag: ncu failed"; tail -5 "$out/$tag.log"; continue; }
     ncu --import "$out/$tag.ncu-rep" --page details > "$out/$tag.txt" 2>&1
     ncu --import "$out/$tag.ncu-rep" --page source --print-source sass --csv \
       > "$out/$tag.src.csv" 2>/dev/null || true

@@ -107,7 +107,7 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
     if getattr(kernel_cls, "takes_dq_semaphores", False):
         # (B, Hq, ceil(Sq / tile_m)) int32 after mdQaccum, aliased to a 4th output.
         b, sq, _, hq, _ = shape
-        tile_m = kernel_cls(cute_dtype, head_dim, head_dim, causal).tile_m
+        tile_m = kernel_cls(cute_dtype, head_dim, dv, causal).tile_m
         sem = jax.ShapeDtypeStruct((b, hq, -(-sq // tile_m)), jnp.int32)
         ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
     return lower(
@@ -210,7 +210,7 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     ids, as the FFI layer calls it (rules/kernels_cuda.py). ``deterministic`` (a
     backward): the deterministic kernel, which also takes the semaphores after
     mdQaccum (aliased to a fourth output). A backward that ``takes_walks`` (the
-    deterministic ones, sm_90a's up to hdim 128) takes the key blocks' walks last.
+    deterministic ones and sm_90a's up to hdim 128) takes the key blocks' walks last.
     ``splits`` > 1 (a forward): the split-keys kernel, whose O and LSE are float32
     partials with B x splits batches. ``page_size`` (a forward): K and V are pools of
     pages of that many keys (Sk of them, so one page per key of the shape), and the
@@ -218,7 +218,7 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     import cutlass
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic
-    from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
+    from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide, FlashBwdSm90WideDeterministic
     from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
     from jax_fa4.kernels.sm100_fwd import FlashFwdSm100
@@ -257,10 +257,11 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
             ins = ins + (sds((b, -(-sk // page_size)), jnp.int32),)
     else:
         ins, outs, aliases = bwd_structs(*shape, head_dim, dtype)
-        if arch == "sm_90a":
-            cls = FlashBwdSm90Wide if head_dim == 256 else FlashBwdSm90
-            if deterministic:
-                cls = FlashBwdSm90Deterministic
+        if arch == "sm_90a" and head_dim in (192, 256):
+            cls = FlashBwdSm90WideDeterministic if deterministic else FlashBwdSm90Wide
+            kw["use_pdl"] = True
+        elif arch == "sm_90a":
+            cls = FlashBwdSm90Deterministic if deterministic else FlashBwdSm90
             kw["use_pdl"] = True
         else:
             cls = FlashBwdSm100Deterministic if deterministic else FlashBwdSm100

@@ -64,14 +64,10 @@ def test_unsupported_head_dim_with_cute_raises():
 
 
 def test_deterministic_argument_checks():
-    """deterministic must be a bool; with implementation="cute" a head dim that no
-    architecture has a deterministic backward for is refused at the call."""
+    """deterministic must be a bool."""
     q = jnp.ones((1, 4, 2, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="deterministic"):
         jax_fa4.attention(q, q, q, deterministic=1)
-    q256 = jnp.ones((1, 4, 2, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="deterministic backward"):
-        jax_fa4.attention(q256, q256, q256, implementation="cute", deterministic=True)
 
 
 def test_deterministic_reference_gradients_match_default():

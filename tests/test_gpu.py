@@ -148,8 +148,6 @@ def test_backward_without_lse_cotangent(shape, d, causal, deterministic):
     without the dLSE term, FlashBwdPreprocessNoDlse). dq, dk, dv by the 2x rule
     against the reference's with a zero LSE cotangent; outputs poisoned."""
     b, sq, sk, hq, hkv = shape
-    if deterministic and d == 256:
-        pytest.skip("no deterministic hdim 256 backward")
     q, k, v = rand_qkv(sq + 5 * d, b, sq, sk, hq, hkv, d)
     dout, _ = _cotangents(sq + 2, b, sq, hq, d)
 
@@ -174,6 +172,8 @@ def test_backward_without_lse_cotangent(shape, d, causal, deterministic):
     ((2, 1000, 1000, 8, 2), 128, True), ((1, 2000, 1999, 4, 4), 128, False),
     ((2, 777, 1500, 6, 2), 64, True), ((1, 1, 1, 1, 1), 64, False),
     ((1, 4096, 4096, 4, 4), 128, True), ((1, 3000, 3000, 4, 2), 64, False),
+    ((1, 1500, 1500, 4, 2), 256, True), ((2, 1000, 1100, 4, 4), 192, False),
+    ((1, 2000, 2000, 4, 2), 192, True),
 ], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_backward_deterministic(shape, d, causal):
     """attention(deterministic=True): dQ, dK and dV bitwise equal over three runs,
@@ -186,9 +186,10 @@ def test_backward_deterministic(shape, d, causal):
 
     grads = jax.jit(_api_grads(causal, deterministic=True))
 
-    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+    from jax_fa4.rules.plan import bwd_plan
 
-    tile_m = bwd_tiles(d, causal).tile_m  # one semaphore per query block
+    # One semaphore per query block.
+    tile_m = bwd_plan("sm_90a", "bfloat16", d, d, causal, d**-0.5, True, True).sem_tile_m
     hlo = grads.lower(q, k, v, dout, dlse).as_text()
     assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in hlo
     with poison_outputs():

@@ -147,7 +147,8 @@ def test_masked_forward_and_backward(name, shape, d):
 DET_SHAPE = (2, 300, 700, 4, 2)
 DET_CASES = [("window", 128), ("q_lengths_empty", 128), ("segments_scattered", 128),
              ("bottom_right_lengths_window", 128), ("causal_kv_lengths", 64),
-             ("segments_causal", 64), ("window_causal", 64), ("everything", 64)]
+             ("segments_causal", 64), ("window_causal", 64), ("everything", 64),
+             ("everything", 192), ("window_causal", 256)]
 
 
 @pytest.mark.parametrize("name,d", DET_CASES)

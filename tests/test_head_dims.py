@@ -8,8 +8,6 @@ poisoned, with GQA, odd lengths, masks and rows that see no key."""
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +79,9 @@ def test_sm100_head_dim_256_lowers_forward_and_backward_kernels(monkeypatch, ker
 def test_sm100_hdim_192_runs_every_kernel(monkeypatch, dv):
     """sm_100a (compiled, not run on hardware), 192 and DeepSeek's (192, 128):
     forward, preprocess, backward (Note [Wide sm100 backward]) and postprocess
-    kernels, causal and masked (the walks from the lowering); deterministic
-    raises."""
+    kernels, causal and masked (the walks from the lowering); deterministic at
+    (192, 128), which stages dQ for TMA reduce-adds; at 192, which adds dQ from
+    registers, deterministic raises."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
 
@@ -93,8 +92,12 @@ def test_sm100_hdim_192_runs_every_kernel(monkeypatch, dv):
 
     for kw in (dict(causal=True), dict(window=(64, 0))):
         assert _lower(grad(**kw), *_structs(192, dv)).count(CALL) == 4, kw
-    with pytest.raises(ValueError, match="deterministic"):
-        _lower(grad(causal=True, deterministic=True), *_structs(192, dv))
+    if dv == 128:
+        assert _lower(grad(causal=True, deterministic=True), *_structs(192, dv)).count(
+            CALL) == 4
+    else:
+        with pytest.raises(ValueError, match="deterministic"):
+            _lower(grad(causal=True, deterministic=True), *_structs(192, dv))
 
 
 def test_hdim_96_runs_every_kernel(monkeypatch):
@@ -110,26 +113,26 @@ def test_hdim_96_runs_every_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("dv", [192, 128])
-def test_hdim_192_runs_every_kernel(monkeypatch, caplog, dv):
+def test_hdim_192_runs_every_kernel(monkeypatch, kernel_calls, dv):
     """(192, 192) and DeepSeek's (192, 128): forward, preprocess, backward (the wide
-    kernel, Note [Wide dK and dV]) and postprocess, plain and masked; the
-    deterministic backward logs the reference path (no kernel: as at hdim 256)."""
+    kernel, Note [Wide dK and dV]) and postprocess, plain and masked, and the
+    deterministic backward (FlashBwdSm90WideDeterministic), plain and masked."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
     structs = _structs(192, dv)
 
-    def grad(implementation="cute", **kw):
+    def grad(**kw):
         return jax.grad(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=True, implementation=implementation,
-            **kw).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+            q, k, v, causal=True, implementation="cute", **kw).astype(jnp.float32).sum(),
+            argnums=(0, 1, 2))
 
-    assert _lower(grad(), *structs).count(CALL) == 4
-    assert _lower(grad(window=(64, 0)), *structs).count(CALL) == 4
-    with caplog.at_level(logging.WARNING, logger="jax_fa4"):
-        assert _lower(grad(None, deterministic=True), *structs).count(CALL) == 1
-    assert "no deterministic backward kernel for head dims (192" in caplog.text
-    with pytest.raises(ValueError, match="deterministic"):
-        _lower(grad(deterministic=True), *structs)
+    for kw in (dict(), dict(window=(64, 0)), dict(deterministic=True),
+               dict(window=(64, 0), deterministic=True)):
+        kernel_calls.clear()
+        assert _lower(grad(**kw), *structs).count(CALL) == 4, kw
+        kinds = [key.kind for key, _ in kernel_calls]
+        assert kinds == ["fwd", "bwd_pre", "bwd_det" if kw.get("deterministic") else "bwd",
+                         "bwd_post"], kw
 
 
 @pytest.mark.parametrize("arch,direction", [("sm_90a", "fwd"), ("sm_90a", "bwd"),
@@ -193,6 +196,9 @@ GPU_CASES = [
     (192, 192, dict(), True),
     (192, 128, dict(causal=True), True),
     (192, 128, dict(window=(50, 20), kv_lengths=np.array([333, 0], np.int32)), True),
+    (192, 192, dict(causal=True, deterministic=True), True),
+    (192, 128, dict(window=(50, 20), kv_lengths=np.array([333, 0], np.int32),
+                    deterministic=True), True),
 ]
 
 

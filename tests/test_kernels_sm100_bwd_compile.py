@@ -171,13 +171,15 @@ def _check_operand_views(head_dim: int) -> None:
 
 
 @needs_cutlass
-@pytest.mark.parametrize("head_dim,causal", [(128, True), (64, False)])
-def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, causal):
+@pytest.mark.parametrize("head_dim,dv,causal", [(128, 128, True), (64, 64, False),
+                                               (192, 128, True)])
+def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, dv, causal):
     """FlashBwdSm100Deterministic (compiled, not run on hardware): the reduce
     warps' leader spins on its query block's semaphore with acquire loads, issues
     the TMA reduce-adds only after that, waits for them to land, then releases the
     next key block with a GPU-scope release increment; the plain class refuses
-    the knob without the semaphores."""
+    the knob without the semaphores. (192, 128) stages dQ as hdim 128 does; 192 and
+    256, which add dQ from registers, have no deterministic build."""
     import re
 
     from kernel_compile import assert_semaphore_order, dump_options, dumped_sass
@@ -185,11 +187,11 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, cau
     from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
 
     text = lower_bwd(FlashBwdSm100Deterministic, "sm_100a", jnp.bfloat16, head_dim, causal,
-                     compile_options=dump_options(tmp_path / "dump"))
+                     compile_options=dump_options(tmp_path / "dump"), head_dim_v=dv)
     assert re.search(r"tensor<2x4x1xi32>", text), "no (B, Hq, num_m) int32 semaphores"
     with pytest.raises(Exception, match="semaphores"):
         lower_bwd(lambda *a: FlashBwdSm100(*a, deterministic=True), "sm_100a", jnp.bfloat16,
-                  head_dim, causal)
+                  head_dim, causal, head_dim_v=dv)
     lines = [ln.strip() for ln in dumped_sass(tmp_path / "dump").splitlines()]
     assert_semaphore_order(lines, r"UTMAREDG")
     spills = sum(ln.count("LDL") + ln.count("STL") for ln in lines)

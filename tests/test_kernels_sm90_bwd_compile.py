@@ -48,7 +48,8 @@ HGMMA_PER_BLOCK_WIDE = 16 + 16 + 8 + 8 + 4
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """build(kind, head_dim, causal, dtype=bf16) -> (HLO text, SASS, ptxas report) of a
-    shipped sm90 backward main kernel ("table", "det" or "wide"), compiled once."""
+    shipped sm90 backward main kernel ("table", "det", "wide" or "wide_det"), compiled
+    once."""
     cache = {}
 
     def get(kind: str, head_dim: int, causal: bool, dtype=jnp.bfloat16):
@@ -57,7 +58,8 @@ def build(tmp_path_factory):
             from jax_fa4.kernels import sm90_bwd, sm90_bwd_wide
 
             cls = {"table": sm90_bwd.FlashBwdSm90, "det": sm90_bwd.FlashBwdSm90Deterministic,
-                   "wide": sm90_bwd_wide.FlashBwdSm90Wide}[kind]
+                   "wide": sm90_bwd_wide.FlashBwdSm90Wide,
+                   "wide_det": sm90_bwd_wide.FlashBwdSm90WideDeterministic}[kind]
             dump = tmp_path_factory.mktemp("-".join(map(str, key)))
             text = lower_bwd(cls, "sm_90a", dtype, head_dim, causal,
                              compile_options=dump_options(dump), use_pdl=True)
@@ -176,6 +178,23 @@ def test_wide_kernel(build, causal):
     _assert_healthy(sass, report, HGMMA_PER_BLOCK_WIDE)
     assert_pdl_chained(sass)
     _assert_flat_dq(sass, 64 * WIDE)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_deterministic_kernel(build, causal):
+    """FlashBwdSm90WideDeterministic (hdim 256, deterministic=True): the wide kernel's
+    GEMMs and flat dQ hand-off, with the deterministic kernel's semaphores and order
+    of dQ adds (acquire spin, both parts' bulk reduces, wait until they land, GPU-scope
+    release)."""
+    text, sass, report = build("wide_det", WIDE, causal)
+    assert re.search(r"tensor<2x4x\d+xi32>", text), "no (B, Hq, num_m) int32 semaphores"
+    _assert_healthy(sass, report, HGMMA_PER_BLOCK_WIDE)
+    assert_pdl_chained(sass)
+    _assert_flat_dq(sass, 64 * WIDE)
+    assert_semaphore_order([ln.strip() for ln in sass.splitlines()], r"UBLKRED\.G\.S\.ADD\.F32")
+    # The default wide kernel neither waits nor releases.
+    assert not count(r"LDG\.E\.STRONG\.GPU", build("wide", WIDE, causal)[1])
 
 
 def _assert_flat_dq(sass: str, tile_floats: int):

@@ -87,16 +87,28 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from jax_fa4.kernels.cute_utils import (
+    DqSemaphoreCall,
     bulk_reduce_add_f32,
+    masked_add_rank,
     permute,
+    semaphore_release_after_bulk,
+    semaphore_wait,
     sm90_smem_layout,
     smem_operands,
     transpose_smem,
     wgmma_gemm,
     zero_acc,
 )
+from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
 from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
+
+
+def wide_tile_n(head_dim: int) -> int:
+    """Key rows per CTA of the wide kernel, split between the two MMA warpgroups in S
+    and dP: 64 at 256, flash-attn-4's 96 at 192 (Note [Wide dK and dV])."""
+    return 64 if head_dim == 256 else 96
+
 
 # Named hardware barriers (0 is __syncthreads).
 _BAR_P = 1  # both MMA warpgroups: P of this query block is in SMEM
@@ -132,12 +144,13 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     bar_dq_full = 3
     bar_dq_empty = 4
     tile_m = 64  # query rows per block
+    # Every query block's dQ partials are added in a fixed key-block order
+    # (FlashBwdSm90WideDeterministic).
+    deterministic = False
 
     @property
     def tile_n(self) -> int:
-        """Key rows per CTA, split between the two MMA warpgroups in S and dP: 64 at
-        256, flash-attn-4's 96 at 192 (Note [Wide dK and dV])."""
-        return 64 if self.head_dim == 256 else 96
+        return wide_tile_n(self.head_dim)
 
     @property
     def stages_qdo(self) -> int:
@@ -189,9 +202,11 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
     def launch(self, stream, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-               mdQsem: None = None, *masks: cute.Tensor):
-        """The host side of the call (``BwdMainCall``); masks: with ``masked``, the
-        keys' query intervals (and segment ids)."""
+               mdQsem: cute.Tensor | None = None, *masks: cute.Tensor):
+        """The host side of the call (``BwdMainCall``); mdQsem: (B, Hq, ceil(Sq /
+        tile_m)) int32, zero at launch, with the deterministic backward, else None;
+        masks: with ``masked``, the keys' query intervals (and segment ids), and
+        deterministic, the key blocks' walks."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
@@ -219,11 +234,21 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             sQ_layout, sdO_layout, sK_layout, sV_layout, row_stage, sP=(self.dtype, sP_layout),
             sdS=(self.dtype, sdS_layout), sdQ=(Float32, sdQ_layout))
         self.launch_kernel(
-            mK, (gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum), (mdQaccum, mdK, mdV),
+            mK, (gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum),
+            (mdQaccum, mdK, mdV, mdQsem),
             (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum), (),
             (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout, sP_layout, sdS_layout,
              sdQ_layout),
             mmas, bytes_qdo, bytes_kv, SharedStorage, stream, masks)
+
+    def cta_coords(self, mQ: cute.Tensor, mK: cute.Tensor):
+        n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.deterministic):
+            # Causal or masked, key blocks launch last first: each waits only on
+            # higher key blocks (dq_warp), which have then launched before it.
+            n_block = det_key_block(n_block, cute.ceil_div(mK.shape[0], self.tile_n),
+                                    self.causal or self.masked)
+        return n_block, head_kv, batch
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -231,28 +256,50 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         """Warp 1: reduce-add each query block's dQ partial, written by both MMA
         warpgroups together in the flat order (Note [Wide dQ hand-off]), from SMEM
         into its (tile_m x d) block of mdQaccum (fp32), one 1-D bulk reduce per
-        warpgroup part."""
-        mdQaccum = cta.outs[0]
+        warpgroup part.
+
+        Deterministic: as ``FlashBwdSm90.dq_warp``, the query block's semaphore
+        counts the key blocks whose partials have landed, and this CTA adds its
+        partial when the count reaches its rank (``det_add_rank``; masked,
+        ``masked_add_rank`` from the walks)."""
+        mdQaccum, _, _, mdQsem = cta.outs
         sdQ = cta.smem["sdQ"]
-        _, head_kv, batch = cta.coords
+        n_block, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
         tm, d = self.tile_m, self.head_dim
         part = tm * d // self.num_mma_wg
         nthr = self.num_mma_threads + 32
         lane = cute.arch.lane_idx()
+        num_n_blocks = cute.ceil_div(cta.seqlen_k, self.tile_n)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
             # The SMEM partial is free (the previous reduces have read it): let the
             # MMA warpgroups write the next one.
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)
+            if const_expr(self.deterministic):
+                sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
+                                                         mdQsem.layout)
+                if const_expr(self.masked):
+                    # The whole warp counts; lane 0 waits.
+                    rank = masked_add_rank(cta.walks, batch, n_block, m_block)
+                else:
+                    rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
+                                        self.causal, cutlass.min)
+                if lane == 0:
+                    # The bulk reduces below come after the acquire.
+                    semaphore_wait(sem_ptr, rank)
             cute.arch.barrier(barrier_id=self.bar_dq_full, number_of_threads=nthr)
             if lane == 0:
                 for w in cutlass.range_constexpr(self.num_mma_wg):
                     bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
                                         part * 4)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.deterministic):
+                    # The reduces land before the next key block may add.
+                    semaphore_release_after_bulk(sem_ptr)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         # The reduce-adds must land before the kernel ends.
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -262,7 +309,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         """MMA warpgroups (``tidx`` counted from their first thread): all GEMMs and
         the pointwise math; dK/dV epilogue."""
         sQ, sdO, sK, sV, sP, sdS, sdQ, sLSE, sDpsum = cta.smem.values()
-        _, mdK, mdV = cta.outs
+        _, mdK, mdV, _ = cta.outs
         mma_sdp, mma_dk, mma_dv, mma_dq = cta.mmas
         pipe_qdo, pipe_do, pipe_kv = cta.pipe_qdo, cta.pipe_do, cta.pipe_kv
         n_block, head_kv, batch = cta.coords
@@ -420,3 +467,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         for i in cutlass.range_constexpr(cute.size(rX)):
             if tXcX[i][1] < key_limit:
                 tXgX[i] = rX[i]
+
+
+class FlashBwdSm90WideDeterministic(DqSemaphoreCall, FlashBwdSm90Wide):
+    """The deterministic sm90 backward at head dims 192, (192, 128) and 256: every
+    query block sums its dQ partials in a fixed key-block order, as
+    ``FlashBwdSm90Deterministic`` does at the smaller head dims (the same call: the
+    semaphores after mdQaccum, masked also the key blocks' walks)."""
+
+    deterministic = True

@@ -77,10 +77,10 @@ class BwdPlan:
     # The deterministic main kernel orders its dQ adds with one int32 semaphore
     # per (batch, head, query block of this many rows), zero at launch; else 0.
     sem_tile_m: int
-    # A masked main kernel at head dims up to 128 (sm_100a: at every one) takes its walks
-    # (``key_block_ranges`` over blocks of (keys, queries); Note [Block walks] in
-    # rules/ranges.py; the deterministic ones rank their dQ adds by them); else
-    # None.
+    # A masked main kernel at head dims up to 128 (sm_100a: at every one; the wide
+    # sm_90a kernel: the deterministic one) takes its walks (``key_block_ranges``
+    # over blocks of (keys, queries); Note [Block walks] in rules/ranges.py; the
+    # deterministic ones rank their dQ adds by them); else None.
     walk_tiles: tuple[int, int] | None = None
 
     @property
@@ -110,10 +110,12 @@ class BwdPlan:
     def build_main(self):
         k = self.main
         det = k.kind == "bwd_det"
-        if k.arch == "sm_90a" and det:
-            from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic as Kernel
+        if k.arch == "sm_90a" and k.head_dim in (192, 256) and det:
+            from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90WideDeterministic as Kernel
         elif k.arch == "sm_90a" and k.head_dim in (192, 256):
             from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide as Kernel
+        elif k.arch == "sm_90a" and det:
+            from jax_fa4.kernels.sm90_bwd import FlashBwdSm90Deterministic as Kernel
         elif k.arch == "sm_90a":
             from jax_fa4.kernels.sm90_bwd import FlashBwdSm90 as Kernel
         elif k.arch == "sm_100a" and det:  # compiled, not run on hardware
@@ -233,12 +235,21 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
         from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide
 
         dq_tile_m = FlashBwdSm90Wide.tile_m
+    # The semaphores of a deterministic kernel; the walks of a masked one that takes
+    # them: every one at head dims up to 128 and on sm_100a, the wide sm_90a kernel
+    # only to rank its deterministic dQ adds.
     sem_tile_m, walk_tiles = 0, None
-    if (head_dim in (64, 96, 128) or arch == "sm_100a") and (masked or deterministic):
-        if arch == "sm_90a":
+    narrow = head_dim in (64, 96, 128)
+    takes_walks = masked and (narrow or arch == "sm_100a" or deterministic)
+    if deterministic or takes_walks:
+        if arch == "sm_90a" and narrow:
             from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, bwd_tiles
 
             tile_m, tile_n = bwd_tiles(head_dim, causal, masked).tile_m, FlashBwdSm90.tile_n
+        elif arch == "sm_90a":
+            from jax_fa4.kernels.sm90_bwd_wide import FlashBwdSm90Wide, wide_tile_n
+
+            tile_m, tile_n = FlashBwdSm90Wide.tile_m, wide_tile_n(head_dim)
         else:
             from jax_fa4.kernels.sm100_bwd import bwd_tiles
 
@@ -246,7 +257,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
             tile_m, tile_n = tiles.tile_m, tiles.tile_n
         if deterministic:
             sem_tile_m = tile_m
-        if masked:
+        if takes_walks:
             # Its walks come from the lowering (Note [Block walks] in rules/ranges.py).
             walk_tiles = (tile_n, tile_m)
     common = dict(arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v)
