@@ -325,12 +325,10 @@ def attention(
         "cute" = the kernel or a clear error; "reference" = pure JAX.
       deterministic: make the backward bitwise reproducible. The default
         backward adds the dQ partials of its key blocks in whatever order they
-        finish; this one adds them in a fixed key-block order (every head dim on
-        sm_90a; 64, 96, 128 and (192, 128) on sm_100a, compiled, not run on
-        hardware; masks included; 0.80-0.98x the default backward's speed on the
-        H200 without masks at head dims up to 128). Where no deterministic kernel
-        exists the backward runs the reference path (logged once), or raises
-        with ``implementation="cute"``. The forward is deterministic either way.
+        finish; this one adds them in a fixed key-block order (every kernel head
+        dim and mask; sm_100a compiled, not run on hardware; 0.80-0.98x the
+        default backward's speed on the H200 without masks). The forward is
+        deterministic either way.
 
     Returns:
       ``out [B, Sq, Hq, Dv]`` in the input dtype; with ``return_lse``,

@@ -189,24 +189,6 @@ def kernel_support_error(arch: str, dtype, head_dim: int, head_dim_v: int) -> st
     return None
 
 
-# The (head dim, head dim v) pairs with a deterministic backward kernel, per arch.
-DETERMINISTIC_BWD_HEAD_DIMS = {
-    "sm_90a": ((64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256)),
-    # Compiled, not run on hardware: no Blackwell GPU has been available.
-    "sm_100a": ((64, 64), (96, 96), (128, 128), (192, 128)),
-}
-
-
-def deterministic_bwd_support_error(arch: str, head_dim: int, head_dim_v: int) -> str | None:
-    """Why no deterministic backward kernel of ``arch`` takes these head dims, or None."""
-    dims = DETERMINISTIC_BWD_HEAD_DIMS.get(arch, ())
-    if (head_dim, head_dim_v) in dims:
-        return None
-    have = ", ".join(f"{d}" for d, _ in dims) or "none"
-    return (f"no deterministic backward kernel for head dims ({head_dim}, {head_dim_v}) "
-            f"on {arch} (head dims with one: {have})")
-
-
 def any_kernel_support_error(dtype, head_dim: int, head_dim_v: int) -> str | None:
     """None if some architecture's kernel takes this problem, else the reason."""
     errors = [kernel_support_error(a, dtype, head_dim, head_dim_v) for a in KERNEL_HEAD_DIMS]

@@ -52,14 +52,12 @@ def _opcodes(sass: str) -> str:
 
 
 def _configs(archs):
-    from jax_fa4.config import DETERMINISTIC_BWD_HEAD_DIMS, KERNEL_HEAD_DIMS
+    from jax_fa4.config import KERNEL_HEAD_DIMS
 
     for arch in archs:
         for (d, dv), causal, det, lse in itertools.product(
             KERNEL_HEAD_DIMS[arch], (False, True), (False, True), (False, True)
         ):
-            if det and (d, dv) not in DETERMINISTIC_BWD_HEAD_DIMS[arch]:
-                continue
             for dtype in ("bfloat16", "float16"):
                 yield arch, dtype, d, dv, causal, det, lse
 

@@ -105,10 +105,12 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
     dv = head_dim if head_dim_v is None else head_dim_v
     ins, outs, aliases = bwd_structs(*shape, head_dim, dtype, dv)
     if getattr(kernel_cls, "takes_dq_semaphores", False):
-        # (B, Hq, ceil(Sq / tile_m)) int32 after mdQaccum, aliased to a 4th output.
+        # (B, Hq, ceil(Sq / tile_m) x parts) int32 after mdQaccum, aliased to a 4th output.
         b, sq, _, hq, _ = shape
-        tile_m = kernel_cls(cute_dtype, head_dim, dv, causal).tile_m
-        sem = jax.ShapeDtypeStruct((b, hq, -(-sq // tile_m)), jnp.int32)
+        kernel = kernel_cls(cute_dtype, head_dim, dv, causal)
+        # One per query block and head-dim part (sm_100a at 256: Note [Head-dim halves]).
+        parts = getattr(kernel, "split", 1)
+        sem = jax.ShapeDtypeStruct((b, hq, -(-sq // kernel.tile_m) * parts), jnp.int32)
         ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
     return lower(
         lambda: kernel_cls(cute_dtype, head_dim, dv, causal, head_dim**-0.5,
@@ -269,7 +271,8 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
         def make():
             return cls(cute_dtype, head_dim, head_dim, False, head_dim**-0.5, **kw)
         if deterministic:
-            sem = sds((b, hq, -(-sq // make().tile_m)), jnp.int32)
+            parts = getattr(make(), "split", 1)
+            sem = sds((b, hq, -(-sq // make().tile_m) * parts), jnp.int32)
             ins, outs, aliases = ins + (sem,), outs + (sem,), {6: 0, 7: 3}
         ins = ins + (sds((b, sk, 2), jnp.int32),)
     if segments:

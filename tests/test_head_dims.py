@@ -47,7 +47,8 @@ def test_sm100_head_dim_256_lowers_forward_and_backward_kernels(monkeypatch, ker
     """sm_100a at head dim 256 (compiled, not run on hardware): the forward kernel
     (plain, masked, split keys) and the backward's three (Note [Head-dim halves] in
     kernels/sm100_bwd.py), causal, windowed, with softcap and segment ids, GQA, and
-    through the returned LSE; no deterministic backward there."""
+    through the returned LSE, and the deterministic backward (its register adds
+    ordered per head-dim half)."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
     d = dv = 256
@@ -69,19 +70,18 @@ def test_sm100_head_dim_256_lowers_forward_and_backward_kernels(monkeypatch, ker
         assert text.count(CALL) == 4, kw  # forward, preprocess, main, postprocess
         main = [key for key, _ in kernel_calls if key.kind == "bwd"]
         assert [(key.arch, key.head_dim) for key in main] == [("sm_100a", 256)], kw
-    with pytest.raises(ValueError, match="deterministic"):
-        _lower(jax.grad(lambda q, k, v: jax_fa4.attention(
-            q, k, v, causal=True, deterministic=True, implementation="cute").astype(
-                jnp.float32).sum(), argnums=(0, 1, 2)), *_structs(d, dv))
+    kernel_calls.clear()
+    assert _lower(jax.grad(lambda q, k, v: jax_fa4.attention(
+        q, k, v, causal=True, deterministic=True, implementation="cute").astype(
+            jnp.float32).sum(), argnums=(0, 1, 2)), *_structs(d, dv)).count(CALL) == 4
+    assert [key.kind for key, _ in kernel_calls][2] == "bwd_det"
 
 
 @pytest.mark.parametrize("dv", [128, 192])
 def test_sm100_hdim_192_runs_every_kernel(monkeypatch, dv):
     """sm_100a (compiled, not run on hardware), 192 and DeepSeek's (192, 128):
     forward, preprocess, backward (Note [Wide sm100 backward]) and postprocess
-    kernels, causal and masked (the walks from the lowering); deterministic at
-    (192, 128), which stages dQ for TMA reduce-adds; at 192, which adds dQ from
-    registers, deterministic raises."""
+    kernels, causal and masked (the walks from the lowering), and deterministic."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
 
@@ -92,12 +92,7 @@ def test_sm100_hdim_192_runs_every_kernel(monkeypatch, dv):
 
     for kw in (dict(causal=True), dict(window=(64, 0))):
         assert _lower(grad(**kw), *_structs(192, dv)).count(CALL) == 4, kw
-    if dv == 128:
-        assert _lower(grad(causal=True, deterministic=True), *_structs(192, dv)).count(
-            CALL) == 4
-    else:
-        with pytest.raises(ValueError, match="deterministic"):
-            _lower(grad(causal=True, deterministic=True), *_structs(192, dv))
+    assert _lower(grad(causal=True, deterministic=True), *_structs(192, dv)).count(CALL) == 4
 
 
 def test_hdim_96_runs_every_kernel(monkeypatch):

@@ -178,8 +178,7 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, dv,
     warps' leader spins on its query block's semaphore with acquire loads, issues
     the TMA reduce-adds only after that, waits for them to land, then releases the
     next key block with a GPU-scope release increment; the plain class refuses
-    the knob without the semaphores. (192, 128) stages dQ as hdim 128 does; 192 and
-    256, which add dQ from registers, have no deterministic build."""
+    the knob without the semaphores. (192, 128) stages dQ as hdim 128 does."""
     import re
 
     from kernel_compile import assert_semaphore_order, dump_options, dumped_sass
@@ -196,6 +195,49 @@ def test_bwd_deterministic_compiles_with_ordered_dq_adds(tmp_path, head_dim, dv,
     assert_semaphore_order(lines, r"UTMAREDG")
     spills = sum(ln.count("LDL") + ln.count("STL") for ln in lines)
     assert spills <= 16, f"{spills} local-memory instructions in the SASS"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal,masked", [(192, True, False), (256, True, False),
+                                                    (256, False, True)])
+def test_bwd_deterministic_orders_register_adds(tmp_path, head_dim, causal, masked):
+    """The deterministic backward at 192 and 256 (compiled, not run on hardware),
+    whose reduce warps add dQ from registers (red.global.add): an acquire spin on the
+    query block's semaphore before the first add, then after the item's adds a
+    GPU-scope fence and the release increment; as many adds as the default build.
+    At 256 each head-dim half has its own semaphores: (B, Hq, 2 ceil(Sq / 64))."""
+    import re
+
+    from kernel_compile import count, dump_options, dumped_sass, lower_masked
+
+    from jax_fa4.kernels.sm100_bwd import FlashBwdSm100, FlashBwdSm100Deterministic
+
+    def build(det, folder):
+        opts = dump_options(tmp_path / folder)
+        if masked:
+            text = lower_masked("sm_100a", "bwd", jnp.bfloat16, head_dim, segments=True,
+                                deterministic=det, compile_options=opts)
+        else:
+            text = lower_bwd(FlashBwdSm100Deterministic if det else FlashBwdSm100,
+                             "sm_100a", jnp.bfloat16, head_dim, causal, compile_options=opts)
+        return text, dumped_sass(tmp_path / folder)
+
+    text, sass = build(True, "det")
+    sems = -(-113 // 64) * 2 if head_dim == 256 else 1
+    assert f"tensor<2x4x{sems}xi32>" in text
+    lines = [ln.strip() for ln in sass.splitlines()]
+
+    def first(pattern, after=0):
+        hit = next((i for i, ln in enumerate(lines) if i >= after and re.search(pattern, ln)),
+                   None)
+        assert hit is not None, f"no {pattern!r} after line {after} of the SASS"
+        return hit
+
+    add = r"REDG\.E\.ADD\.F32"
+    release = first(r"(REDG|ATOMG)\.E\.ADD\.STRONG\.GPU",
+                    first(r"MEMBAR\.(ALL\.)?GPU", first(add, first(r"LDG\.E\.STRONG\.GPU"))))
+    assert release > first(add)
+    assert count(add, sass) == count(add, build(False, "default")[1]) > 0
 
 
 @needs_cutlass

@@ -235,14 +235,11 @@ def test_empty_batch_or_heads_launch_no_kernel(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
+def test_public_deterministic_backward_lowers(monkeypatch, d, causal):
     """attention(deterministic=True): on sm_90a and sm_100a (compiled, not run on
     hardware) the step's main backward kernel is the deterministic one (its int32
-    semaphores, one per query tile, appear); hdim 256 has no deterministic kernel,
-    so its backward alone takes the reference path, logged, and
-    implementation="cute" raises at the call instead."""
-    from jax_fa4.rules import primitives
-
+    semaphores, one per query tile, appear); at hdim 256 too (sm_100a: one per query
+    tile and head-dim half, Note [Head-dim halves])."""
     def step(impl):
         def loss(q, k, v):
             out = jax_fa4.attention(q, k, v, causal=causal, implementation=impl,
@@ -258,15 +255,12 @@ def test_public_deterministic_backward_lowers(monkeypatch, caplog, d, causal):
         text = _lower(step("cute"), *_structs(b, sq, 203, hq, 2, d, jnp.bfloat16))
         assert text.count(CALL) == 4
         assert f"tensor<{b}x{hq}x{-(-sq // tile_m)}xi32>" in text
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
     structs = _structs(b, sq, 203, hq, 2, 256, jnp.bfloat16)
-    primitives._logged.clear()
-    with caplog.at_level("WARNING", logger="jax_fa4"):
-        text = _lower(step(None), *structs)
-    assert text.count(CALL) == 1  # the forward kernel; the backward is pure JAX
-    assert any("deterministic backward" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="deterministic"):
-        _lower(step("cute"), *structs)
+    for arch, sems in (("sm_90a", -(-sq // 64)), ("sm_100a", 2 * -(-sq // 64))):
+        monkeypatch.setenv("JAX_FA4_ARCH", arch)
+        text = _lower(step("cute"), *structs)
+        assert text.count(CALL) == 4
+        assert f"tensor<{b}x{hq}x{sems}xi32>" in text
 
 
 def test_launch_plans_key_every_kernel_by_what_changes_it(monkeypatch):

@@ -4,13 +4,11 @@ modes, windows and lengths share one compiled kernel per direction and head dim
 (the intervals are data, rules/ranges.py), and the builds hold what keeps them
 fast: no local memory, the interval test as one unsigned compare. The
 deterministic backward takes masks too (its walks and ordered dQ adds, Note
-[Masked dQ order]); masks stay on the logged reference path where no kernel takes
-them (sm_100a's hdim 256 deterministic). The sm_100a kernels are compiled, not run on
+[Masked dQ order]). The sm_100a kernels are compiled, not run on
 hardware."""
 
 from __future__ import annotations
 
-import logging
 import pathlib
 import re
 
@@ -69,7 +67,7 @@ def test_masks_lower_to_the_sm90_kernels_one_build_for_all(monkeypatch, kernel_c
 
 
 @pytest.mark.parametrize("arch,d", [("sm_90a", 64), ("sm_90a", 128), ("sm_90a", 192),
-                                    ("sm_90a", 256), ("sm_100a", 128)])
+                                    ("sm_90a", 256), ("sm_100a", 128), ("sm_100a", 256)])
 def test_deterministic_masks_lower_to_the_kernel(monkeypatch, kernel_calls, arch, d):
     """deterministic=True with masks: four custom calls, the main one the masked
     deterministic kernel (kind "bwd_det"), which takes after mdQaccum one semaphore
@@ -94,30 +92,13 @@ def test_deterministic_masks_lower_to_the_kernel(monkeypatch, kernel_calls, arch
 
         assert tile_m == bwd_tiles(d, False, masked=True).tile_m
     i32 = jnp.dtype(jnp.int32)
-    assert inputs[7:] == [((B, HQ, -(-SQ // tile_m)), i32), ((B, SK, 2), i32),
+    assert inputs[7:] == [(plan.semaphores(B, SQ, HQ).shape, i32), ((B, SK, 2), i32),
                           ((B, SQ), i32), ((B, SK), i32), ((B, -(-SK // tile_n), 5), i32)]
     assert bwd_plan(arch, "bfloat16", d, d, False, 0.1, True, True).walk_tiles is None
     # The default masked kernel takes its walks too (Note [Block walks]), but for the
     # wide sm_90a one, which reduces the keys' intervals itself.
     default = bwd_plan(arch, "bfloat16", d, d, False, 0.1, False, True, True).walk_tiles
     assert default == (None if arch == "sm_90a" and d > 128 else (tile_n, tile_m))
-
-
-def test_deterministic_masks_at_hdim_256_take_the_logged_reference_backward(monkeypatch,
-                                                                            caplog):
-    """sm_100a has no deterministic backward at hdim 256 (its reduce warps add dQ from
-    registers, Note [Head-dim halves]), masked or not."""
-    from jax_fa4.rules import primitives
-
-    monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
-    why = "no deterministic backward kernel for head dims (256, 256)"
-    primitives._logged.clear()  # logged once per process: maybe by an earlier test
-    with caplog.at_level(logging.INFO, logger="jax_fa4"):
-        text = _lower(_step(implementation=None, window=(8, 0), deterministic=True), 256)
-    assert text.count(CALL) == 1  # the forward kernel; the backward is pure JAX
-    assert any(why in r.getMessage() for r in caplog.records)
-    with pytest.raises(ValueError, match="no deterministic backward"):
-        _lower(_step(window=(8, 0), deterministic=True), 256)
 
 
 @pytest.mark.parametrize("arch,d,group,pack", [

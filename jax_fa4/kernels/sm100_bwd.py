@@ -282,9 +282,6 @@ class FlashBwdSm100(BwdMainCall):
         self.tiles = bwd_tiles(head_dim, causal, self.head_dim_v) if tiles is None else tiles
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
-        if deterministic and t.dq_direct:
-            raise ValueError("the deterministic sm100 backward orders TMA reduce-adds: "
-                             "no build without the dQ staging tiles")
         # One TMEM lane per key / per query row, two compute warpgroups split the
         # tile_m columns of S^T and dP^T, and the dK/dV columns in the epilogue.
         # Head-dim halves: 64-query blocks, dQ^T's columns are queries.
@@ -363,8 +360,8 @@ class FlashBwdSm100(BwdMainCall):
                mdO: cute.Tensor, mLSElog2: cute.Tensor, mDpsum: cute.Tensor,
                mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: cute.Tensor | None = None, *masks: cute.Tensor):
-        """The host side of ``BwdMainCall.__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m))
-        int32, zero at launch, with the deterministic backward, else None; masks:
+        """The host side of ``BwdMainCall.__call__``; mdQsem: (B, Hq, ceil(Sq / tile_m)
+        x split) int32, zero at launch, with the deterministic backward, else None; masks:
         with ``masked``, the keys' query intervals (and the segment ids), and the
         key blocks' walks."""
         masks = tuple(masks) + (None,) * (4 - len(masks))
@@ -478,7 +475,7 @@ class FlashBwdSm100(BwdMainCall):
         mV: cute.Tensor,  # TMA view (Sk, Dv, Hkv, B)
         mdO: cute.Tensor,  # TMA view (Sq, Dv, Hq, B)
         mdQaccum: cute.Tensor,  # TMA view (Sq_pad, D, Hq, B) f32
-        mdQsem: cute.Tensor | None,  # (B, Hq, num_m) int32 (deterministic only)
+        mdQsem: cute.Tensor | None,  # (B, Hq, num_m x split) int32 (deterministic only)
         mLSElog2: cute.Tensor,  # (B, Hq, Sq) f32
         mDpsum: cute.Tensor,  # (B, Hq, Sq) f32
         mdK: cute.Tensor,  # (Sk, D, Hkv, B)
@@ -650,12 +647,13 @@ class FlashBwdSm100(BwdMainCall):
             cute.arch.setmaxregister_decrease(self.tiles.regs_reduce)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
+            order = (mdQsem, mWalks, n_block, num_n_blocks, part)
             if const_expr(self.dq_t):
                 self.reduce_dq_t(mdQaccum, tmem_ptr, pipe_dq, tidx, part, head_kv, batch,
-                                 group_size, m_block_min, num_m, num_iters)
+                                 group_size, m_block_min, num_m, num_iters, order)
             elif const_expr(self.tiles.dq_direct):
                 self.reduce_dq_direct(mdQaccum, tmem_ptr, pipe_dq, tidx, head_kv, batch,
-                                      group_size, m_block_min, num_m, num_iters)
+                                      group_size, m_block_min, num_m, num_iters, order)
             else:
                 self.reduce_dq(mma_dq, mdQaccum, mdQsem, sdQ, tma_dQ, tmem_ptr, pipe_dq,
                                tidx, n_block, num_n_blocks, head_kv, batch, group_size,
@@ -1125,12 +1123,42 @@ class FlashBwdSm100(BwdMainCall):
         return mma, _as_view(sdS, ds), sKt
 
     @cute.jit
+    def _ordered_adds(self, order, tidx, batch, head_q, m_block, begin: cutlass.Constexpr):
+        """Deterministic, around one work item's red.global.adds from the four reduce
+        warps (``BwdTiles.dq_direct``): ``begin``, thread 0 spins until the query
+        block's semaphore reaches this key block's rank (``det_add_rank``; masked,
+        ``masked_add_rank`` over the walks, every warp counting), and the barrier
+        holds every thread's adds after it; at the end every thread fences its adds
+        (GPU scope) before the barrier, then thread 0 releases the next key block.
+        order: (semaphores (B, Hq, num_m x split), walks or None, key block, key
+        blocks, head-dim part); each part of a key block has its own semaphore."""
+        mdQsem, mWalks, n_block, num_n_blocks, part = order
+        reduce_bar = pipeline.NamedBarrier(barrier_id=_BAR_REDUCE, num_threads=128)
+        sem_ptr = mdQsem.iterator + cute.crd2idx(
+            (batch, head_q, m_block * self.split + part), mdQsem.layout)
+        if const_expr(begin):
+            if const_expr(self.masked):
+                rank = masked_add_rank(mWalks, batch, n_block, m_block)
+            else:
+                rank = det_add_rank(m_block, n_block, num_n_blocks, self.tile_m, self.tile_n,
+                                    self.causal, cutlass.min)
+            if tidx == 0:
+                semaphore_wait(sem_ptr, rank)
+            reduce_bar.arrive_and_wait()
+        else:
+            cute.arch.fence_acq_rel_gpu()
+            reduce_bar.arrive_and_wait()
+            if tidx == 0:
+                cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
     def reduce_dq_direct(self, mdQaccum, tmem_ptr, pipe_dq, tidx, head_kv, batch, group_size,
-                         m_block_min, num_m, num_iters):
+                         m_block_min, num_m, num_iters, order):
         """Warps 0-3 (``BwdTiles.dq_direct``): per work item and dQ pass, dQ (TMEM,
         lane = query row) in dq_cols-column chunks -> registers -> red.global.add into
         mdQaccum (fp32, the plain (Sq_pad, D, Hq, B) view): no SMEM staging. Thread t
-        adds row t of the query block."""
+        adds row t of the query block. Deterministic: the item's adds in the query
+        block's order (``_ordered_adds``)."""
         tm, d, ncol = self.tile_m, self.head_dim, self.tiles.dq_cols
         ld_atom = cute.make_copy_atom(
             tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ncol)), Float32)
@@ -1138,6 +1166,8 @@ class FlashBwdSm100(BwdMainCall):
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self._work_item(it, head_kv, group_size, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
+            if const_expr(self.deterministic):
+                self._ordered_adds(order, tidx, batch, head_q, m_block, True)
             for c0, w in self.dq_passes:
                 tdQ = self._tmem_acc(self._dq_mma(w), tmem_ptr, self.tmem_dq, (tm, w))
                 tdQ2 = tdQ[(None, None), 0, 0]
@@ -1157,6 +1187,8 @@ class FlashBwdSm100(BwdMainCall):
                         cute.arch.red(base + 4 * q, four.load().ir_value(), op="add",
                                       dtype=Float32, sem="relaxed", scope="gpu")
                 dq_state.advance()
+            if const_expr(self.deterministic):
+                self._ordered_adds(order, tidx, batch, head_q, m_block, False)
 
     def _dq_reader(self, mma_dq, tmem_ptr, shape, tidx):
         """(dQ's TMEM accumulator as (rows, cols), its coordinates, this reduce
@@ -1187,12 +1219,14 @@ class FlashBwdSm100(BwdMainCall):
 
     @cute.jit
     def reduce_dq_t(self, mdQaccum, tmem_ptr, pipe_dq, tidx, part, head_kv, batch,
-                    group_size, m_block_min, num_m, num_iters):
+                    group_size, m_block_min, num_m, num_iters, order):
         """Warps 0-3 with head-dim halves (Note [Head-dim halves]): per work item,
         dQ^T (TMEM, lane = one of the CTA's head-dim columns, column = query) in
         dq_cols-query chunks -> registers -> red.global.add into mdQaccum (fp32, the
         plain (Sq_pad, D, Hq, B) view). Thread t adds column part * d_part + t of
-        every query row, so a warp's adds for one query are one 128-byte segment."""
+        every query row, so a warp's adds for one query are one 128-byte segment.
+        Deterministic: the item's adds in the order of the query block's semaphore of
+        this part (``_ordered_adds``)."""
         tm, dp, ncol = self.tile_m, self.d_part, self.tiles.dq_cols
         tdQ2, cdQ, thr_t2r = self._dq_reader(self._dq_mma(dp), tmem_ptr, (dp, tm), tidx)
         dq_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -1201,6 +1235,8 @@ class FlashBwdSm100(BwdMainCall):
             # The item's queries x this CTA's head-dim columns.
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, dp),
                                   (m_block, part))
+            if const_expr(self.deterministic):
+                self._ordered_adds(order, tidx, batch, head_q, m_block, True)
             pipe_dq.consumer_wait(dq_state)
             for c in cutlass.range_constexpr(tm // ncol):
                 tc, rdQ = self._dq_chunk(thr_t2r, tdQ2, cdQ, (dp, ncol), c,
@@ -1211,6 +1247,8 @@ class FlashBwdSm100(BwdMainCall):
                     cute.arch.red(col.iterator + cute.crd2idx(tc[j][1], col.layout),
                                   rdQ[j], op="add", dtype=Float32, sem="relaxed",
                                   scope="gpu")
+            if const_expr(self.deterministic):
+                self._ordered_adds(order, tidx, batch, head_q, m_block, False)
             dq_state.advance()
 
     # ---------------------------------------------------------- dQ reduce warps
@@ -1294,20 +1332,24 @@ class FlashBwdSm100(BwdMainCall):
 class FlashBwdSm100Deterministic(DqSemaphoreCall, FlashBwdSm100):
     """The deterministic sm100 backward: every query block sums its dQ partials in
     a fixed key-block order (``det_add_rank``), so dQ is bitwise reproducible. The
-    call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m))
-    int32, zero at launch (one semaphore per query block). ``masked``: it also takes
-    the key blocks' walks after the intervals (and ids), walks them, and ranks its
-    adds by them (Note [Masked dQ order] in dq_layout.py). Compiled for sm_100a,
-    not run on hardware (with masks or without)."""
+    call takes one extra operand after mdQaccum: mdQsem, (B, Hq, ceil(Sq / tile_m) x
+    split) int32, zero at launch (one semaphore per query block and head-dim part,
+    Note [Head-dim halves]). Where dQ leaves by TMA reduce-adds the reduce warps'
+    leader orders them (``reduce_dq``); where the reduce warps add it from registers
+    (192, 256) all four order theirs around a barrier (``_ordered_adds``).
+    ``masked``: it also takes the key blocks' walks after the intervals (and ids),
+    walks them, and ranks its adds by them (Note [Masked dQ order] in dq_layout.py).
+    Compiled for sm_100a, not run on hardware (with masks or without)."""
 
     def __init__(self, dtype, head_dim, head_dim_v=None, causal=False, softmax_scale=None,
                  tiles=None, masked=False, segments=False, softcap=None):
         if tiles is None:
             tiles = bwd_tiles(head_dim, causal, head_dim_v)
-            if head_dim > 64:
-                # The semaphore's address and rank: the reduce warps take the 8
-                # registers per thread the hdim 128 split leaves free (2 x 160 +
-                # 72 + 120 = 512); at 64 they spilled.
+            spare = 512 - 2 * tiles.regs_compute - tiles.regs_reduce - tiles.regs_other
+            if head_dim > 64 and spare >= 8:
+                # The semaphore's address and rank: the reduce warps take 8 of the
+                # registers per thread the split leaves free (hdim 96, 128, (192,
+                # 128): 2 x 160 + 72 + 120 = 512); at 64 they spilled.
                 tiles = dataclasses.replace(tiles, regs_reduce=tiles.regs_reduce + 8)
         super().__init__(dtype, head_dim, head_dim_v, causal, softmax_scale, tiles,
                          deterministic=True, masked=masked, segments=segments,

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from jax_fa4.config import (
     AttentionConfig,
-    deterministic_bwd_support_error,
     dtype_name,
     page_size_error,
 )
@@ -234,12 +233,8 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
     preprocess then reads none).
 
     config.deterministic: the main kernel adds each query block's dQ partials in a
-    fixed key-block order through per-block semaphores (head dims 64 and 128), with
-    masks an order computed from the key blocks' walks (kernels/dq_layout.py)."""
-    if config.deterministic:
-        err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
-        if err is not None:
-            raise ValueError(err)
+    fixed key-block order through per-block semaphores, with masks an order computed
+    from the key blocks' walks (kernels/dq_layout.py)."""
     if config.scale < 0:  # as forward: -q with |scale|; dL/dq is minus dL/d(-q)
         neg_q, config = _positive_scale(q, config)
         dq, dk, dv = backward(neg_q, k, v, out, lse, dout, *rest, config=config, arch=arch)

@@ -82,6 +82,9 @@ class BwdPlan:
     # over blocks of (keys, queries); Note [Block walks] in rules/ranges.py; the
     # deterministic ones rank their dQ adds by them); else None.
     walk_tiles: tuple[int, int] | None = None
+    # The CTAs of a key block that add to disjoint head-dim parts of dQ (sm_100a at
+    # hdim 256, Note [Head-dim halves]): each part's adds have semaphores of their own.
+    sem_parts: int = 1
 
     @property
     def pdl(self) -> bool:
@@ -96,8 +99,9 @@ class BwdPlan:
         return tuple(jax.ShapeDtypeStruct(*ws[n]) for n in ("Dpsum", "LSElog2", "dQaccum"))
 
     def semaphores(self, batch: int, seqlen_q: int, heads_q: int):
-        return jax.ShapeDtypeStruct((batch, heads_q, -(-seqlen_q // self.sem_tile_m)),
-                                    jnp.int32)
+        """One per query block and head-dim part (``sem_parts``)."""
+        blocks = -(-seqlen_q // self.sem_tile_m) * self.sem_parts
+        return jax.ShapeDtypeStruct((batch, heads_q, blocks), jnp.int32)
 
     def build_pre(self):
         from jax_fa4.kernels.bwd_preprocess import FlashBwdPreprocess, FlashBwdPreprocessNoDlse
@@ -238,7 +242,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     # The semaphores of a deterministic kernel; the walks of a masked one that takes
     # them: every one at head dims up to 128 and on sm_100a, the wide sm_90a kernel
     # only to rank its deterministic dQ adds.
-    sem_tile_m, walk_tiles = 0, None
+    sem_tile_m, walk_tiles, sem_parts = 0, None, 1
     narrow = head_dim in (64, 96, 128)
     takes_walks = masked and (narrow or arch == "sm_100a" or deterministic)
     if deterministic or takes_walks:
@@ -255,6 +259,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
 
             tiles = bwd_tiles(head_dim, causal, head_dim_v)
             tile_m, tile_n = tiles.tile_m, tiles.tile_n
+            sem_parts = tiles.dkv_split
         if deterministic:
             sem_tile_m = tile_m
         if takes_walks:
@@ -272,4 +277,5 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
                        **common),
         sem_tile_m=sem_tile_m,
         walk_tiles=walk_tiles,
+        sem_parts=sem_parts if deterministic else 1,
     )

@@ -21,7 +21,6 @@ from jax.interpreters import batching, mlir
 from jax_fa4 import reference
 from jax_fa4.config import (
     AttentionConfig,
-    deterministic_bwd_support_error,
     kernel_support_error,
     target_arch,
 )
@@ -231,8 +230,6 @@ def _kernel_problem(ctx, config, kind) -> tuple[str | None, str | None]:
     err = kernel_support_error(arch, q.dtype, q.shape[-1], v.shape[-1])
     if err is None and config.masked:
         err = masked_kernel_error(arch, kind, config)
-    if err is None and kind == "bwd" and config.deterministic:
-        err = deterministic_bwd_support_error(arch, q.shape[-1], v.shape[-1])
     if err is None:
         err = kernels_cuda.unavailable(arch)
     return (arch, None) if err is None else (None, err)
