@@ -251,10 +251,13 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
             kw["page_size"] = page_size
             pool = sds((sk, page_size, hkv, head_dim), dtype)
             ins = (ins[0], pool, pool)
+        ranges = sds((b, sq, 2), jnp.int32)
         if make().takes_tile_counter:
-            cnt = sds((1,), jnp.int32)
-            ins, outs, aliases = ins + (cnt,), outs + (cnt,), {3: 2}
-        ins = ins + (sds((b, sq, 2), jnp.int32),)
+            # The counter rides in an extra batch entry of the intervals (Note [Counter
+            # in the intervals]).
+            ranges = sds((b + 1, sq, 2), jnp.int32)
+            outs, aliases = outs + (ranges,), {3: 2}
+        ins = ins + (ranges,)
         if page_size:
             ins = ins + (sds((b, -(-sk // page_size)), jnp.int32),)
     else:

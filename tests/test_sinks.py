@@ -177,11 +177,12 @@ def test_sm90_forward_with_sinks_keeps_registers(tmp_path):
 
     b, sq, sk, hq, hkv, d = 2, 113, 203, 8, 2, 128
     ins, outs = fwd_structs(b, sq, sk, hq, hkv, d, jnp.bfloat16)
-    cnt = jax.ShapeDtypeStruct((1,), jnp.int32)
-    ins = ins + (cnt, jax.ShapeDtypeStruct((b, sq, 2), jnp.int32),
-                 jax.ShapeDtypeStruct((b, hq), jnp.float32))
+    # The tile counter rides in an extra batch entry of the intervals (Note [Counter
+    # in the intervals]).
+    ranges = jax.ShapeDtypeStruct((b + 1, sq, 2), jnp.int32)
+    ins = ins + (ranges, jax.ShapeDtypeStruct((b, hq), jnp.float32))
     lower(lambda: make_fwd_sm90(jnp.bfloat16, d, d, False, masked=True, sinks=True),
-          "sm_90a", ins, outs + (cnt,), aliases={3: 2},
+          "sm_90a", ins, outs + (ranges,), aliases={3: 2},
           compile_options=dump_options(tmp_path))
     sass = read_dump(tmp_path, "sass")
     if sass is None:

@@ -342,8 +342,10 @@ class FwdCall:
     mKSeg)`` (None for each operand the kernel does not take).
 
     After V, in this order: a kernel with ``takes_tile_counter`` (the sm90 causal
-    persistent forward) takes a (1,) int32 tile counter, zero at launch; a
-    ``masked`` one each query's key interval, (B, Sq, 2) int32; one with
+    persistent forward) takes a (1,) int32 tile counter, zero at launch, unless it is
+    ``masked``: a ``masked`` one takes each query's key interval, (B, Sq, 2) int32,
+    and with ``takes_tile_counter`` (B + 1, Sq, 2), the counter the first int of the
+    last batch entry, zero (Note [Counter in the intervals] in sm90_fwd.py); one with
     ``segments`` the query and key segment ids, (B, Sq) and (B, Sk) int32; one with
     ``sinks`` the sink logits, (B, Hq) float32, passed to ``launch`` last."""
 
@@ -374,7 +376,7 @@ class FwdCall:
     ):
         rest = list(rest)
         mTileCounter = None
-        if const_expr(self.takes_tile_counter):
+        if const_expr(self.takes_tile_counter and not self.masked):
             mTileCounter = _pop_int32(rest, "the tile counter")
         mRanges, mQSeg, mKSeg = _pop_mask_operands(self, rest)
         table = {}

@@ -175,6 +175,29 @@ _SM90_MAX_SMEM_BYTES = 227 * 1024
 # global memory (``store_split``): a decode tile has few valid rows. flash-attn-4
 # splits the same way (``num_splits``, its ``FlashAttentionForwardCombine``).
 
+# Note [Counter in the intervals]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The dynamic scheduler's tile counter must be zero at launch. Passed alone, XLA
+# makes that zero with a kernel of its own before every call (a 1 us memcpy and a
+# launch gap: measurable against a decode kernel of 10-20 us). The masked forward
+# already takes the key intervals, which an XLA fusion writes before every call, so
+# the lowering has that fusion append one batch entry of zeros, (B + 1, Sq, 2), and
+# the kernel takes its first int as the counter (``counter_in_intervals``), updated
+# in place (the intervals are an aliased output, dropped).
+
+
+def counter_in_intervals(mQ: cute.Tensor, mRanges: cute.Tensor):
+    """(the tile counter, the (B, Sq, 2) intervals) of the (B + 1, Sq, 2) intervals
+    a masked dynamic forward takes (Note [Counter in the intervals]); mQ: (B, Sq,
+    Hq, D)."""
+    b = mQ.shape[0]
+    counter = cute.make_tensor(mRanges.iterator + cute.crd2idx((b, 0, 0), mRanges.layout),
+                               cute.make_layout(1))
+    ranges = cute.make_tensor(mRanges.iterator, cute.make_layout(
+        (b, mRanges.shape[1], mRanges.shape[2]), stride=mRanges.stride))
+    return counter, ranges
+
+
 # Note [Paged KV]
 # ~~~~~~~~~~~~~~
 # A paged cache's K and V are pools (pages, page_size, Hkv, D): sequence b's key j
@@ -494,6 +517,8 @@ class FlashFwdSm90(FwdCall):
         dynamic scheduler's (1,) int32 tile counter (zero at launch) or None, and
         with ``masked`` the key intervals (and with ``segments`` the ids), with
         ``page_size`` the page table."""
+        if cutlass.const_expr(self.dynamic and self.masked and mTileCounter is None):
+            mTileCounter, mRanges = counter_in_intervals(mQ, mRanges)
         if cutlass.const_expr(self.dynamic and mTileCounter is None):
             raise TypeError("the causal persistent forward takes a tile counter: call "
                             "FlashFwdSm90Dynamic (see make_fwd_sm90)")
@@ -1471,7 +1496,9 @@ class FlashFwdSm90Dynamic(FlashFwdSm90):
 
     The call takes one extra operand, after V: a (1,) int32 counter that must be
     zero at launch (the FFI layer passes a fresh zero buffer aliased to an extra
-    output, see ``rules.kernels_cuda.forward``)."""
+    output, see ``rules.kernels_cuda.forward``); masked, the counter is the first
+    int of an extra batch entry of the intervals instead (Note [Counter in the
+    intervals])."""
 
     takes_tile_counter = True
 

@@ -207,13 +207,23 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
         outs = (jax.ShapeDtypeStruct((b, sq, hq, dv), q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq), jnp.float32))
     out_static, aliases = (_BSHD, _BHS), {}
-    if plan.tile_counter:
+    if plan.tile_counter and not masked:
         # A fresh zero each call (XLA memsets it), updated in place and dropped.
         inputs, in_static = inputs + (jnp.zeros((1,), jnp.int32),), in_static + ((0,),)
         outs, out_static = outs + (jax.ShapeDtypeStruct((1,), jnp.int32),), out_static + ((0,),)
         aliases = {3: 2}
     if masked:
         ops, static = _mask_operands(config, masks, q, k, keys=False, sk=sk)
+        if plan.tile_counter:
+            # The counter is an extra batch entry of zeros written by the intervals'
+            # own fusion, updated in place and dropped (Note [Counter in the
+            # intervals] in kernels/sm90_fwd.py).
+            ranges = ops[0]
+            ranges = jnp.concatenate([ranges, jnp.zeros((1,) + ranges.shape[1:], jnp.int32)])
+            ops = (ranges,) + ops[1:]
+            aliases = {len(inputs): len(outs)}
+            outs = outs + (jax.ShapeDtypeStruct(ranges.shape, jnp.int32),)
+            out_static = out_static + (static[0],)
         inputs, in_static = inputs + ops, in_static + static
     if table is not None:
         inputs, in_static = inputs + (table,), in_static + ((),)
