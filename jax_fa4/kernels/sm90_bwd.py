@@ -83,9 +83,7 @@ from jax_fa4.kernels.cute_utils import (
     consumer_release_elected,
     convert_slice_to_operand_a,
     convert_to_operand_a,
-    masked_add_rank,
     semaphore_release_after_bulk,
-    semaphore_wait,
     sm90_smem_layout,
     smem_operands,
     stmatrix_acc,
@@ -94,7 +92,7 @@ from jax_fa4.kernels.cute_utils import (
     wgmma_gemm,
     zero_acc,
 )
-from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
+from jax_fa4.kernels.dq_layout import det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
 from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile
 from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
@@ -414,10 +412,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         add to complete, then counts itself. CTAs wait only on blocks that launch
         earlier (``det_key_block``: the causal and masked grids run the key blocks
         in reverse), so the wait cannot deadlock."""
-        mdQaccum, _, _, mdQsem = cta.outs
-        n_block, head_kv, batch = cta.coords
+        mdQaccum = cta.outs[0]
+        _, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
-        num_n_blocks = cute.ceil_div(cta.seqlen_k, self.tile_n)
         sdQ = cta.smem["sdQ"]
         tm, d = self.tile_m, self.head_dim
         n_parts = self.num_mma_wg
@@ -434,17 +431,7 @@ class FlashBwdSm90(Sm90BwdCommon):
                 cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
                                          number_of_threads=nthr)
             if const_expr(self.deterministic):
-                sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
-                                                         mdQsem.layout)
-                if const_expr(self.masked):
-                    # The whole warp counts; lane 0 waits.
-                    rank = masked_add_rank(cta.walks, batch, n_block, m_block)
-                else:
-                    rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
-                                        self.causal, cutlass.min)
-                if lane == 0:
-                    # The bulk reduces below come after the acquire.
-                    semaphore_wait(sem_ptr, rank)
+                sem_ptr = self.wait_dq_turn(cta, head_q, m_block)
             for w in cutlass.range_constexpr(n_parts):
                 cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
                 if lane == 0:

@@ -24,13 +24,16 @@ from jax_fa4.kernels.cute_utils import (
     BwdMainCall,
     check_bwd_operand_dtypes,
     init_bwd_kernel,
+    masked_add_rank,
     pdl_start,
     permute,
+    semaphore_wait,
     set_mask_flags,
     sm90_smem_layout,
     stat_rows_view,
     tma_tile_partition,
 )
+from jax_fa4.kernels.dq_layout import det_add_rank
 from jax_fa4.kernels.mask import BlockRange, decode_hi, keep_inside
 
 log = logging.getLogger(__name__)
@@ -304,6 +307,25 @@ class Sm90BwdCommon(BwdMainCall):
         else:
             cute.arch.setmaxregister_increase(self.regs_mma)
             self.mma(cta, tidx - 128)
+
+    @cute.jit
+    def wait_dq_turn(self, cta, head_q, m_block):
+        """The deterministic dQ warp (the whole warp): the semaphore of query block
+        ``m_block`` of ``head_q``, once lane 0 has seen it count this key block's
+        rank (``det_add_rank``: ascending key blocks, causal descending; masked,
+        ``masked_add_rank`` from the key blocks' walks, descending) with acquire
+        loads, so the bulk reduces that follow come after the adds before them."""
+        mdQsem = cta.outs[3]
+        n_block, _, batch = cta.coords
+        sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block), mdQsem.layout)
+        if const_expr(self.masked):
+            rank = masked_add_rank(cta.walks, batch, n_block, m_block)  # every lane counts
+        else:
+            rank = det_add_rank(m_block, n_block, cute.ceil_div(cta.seqlen_k, self.tile_n),
+                                self.tile_m, self.tile_n, self.causal, cutlass.min)
+        if cute.arch.lane_idx() == 0:
+            semaphore_wait(sem_ptr, rank)
+        return sem_ptr
 
     def flat_dq_copy(self, thr_dq, sdQ: cute.Tensor, tidx, wg_idx):
         """(copy, SMEM destination) of this MMA thread's dQ registers: warpgroup w's,

@@ -89,17 +89,15 @@ from cutlass.cute.nvgpu import warpgroup
 from jax_fa4.kernels.cute_utils import (
     DqSemaphoreCall,
     bulk_reduce_add_f32,
-    masked_add_rank,
     permute,
     semaphore_release_after_bulk,
-    semaphore_wait,
     sm90_smem_layout,
     smem_operands,
     transpose_smem,
     wgmma_gemm,
     zero_acc,
 )
-from jax_fa4.kernels.dq_layout import det_add_rank, det_key_block
+from jax_fa4.kernels.dq_layout import det_key_block
 from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon
 from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
 
@@ -262,15 +260,14 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         counts the key blocks whose partials have landed, and this CTA adds its
         partial when the count reaches its rank (``det_add_rank``; masked,
         ``masked_add_rank`` from the walks)."""
-        mdQaccum, _, _, mdQsem = cta.outs
+        mdQaccum = cta.outs[0]
         sdQ = cta.smem["sdQ"]
-        n_block, head_kv, batch = cta.coords
+        _, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
         tm, d = self.tile_m, self.head_dim
         part = tm * d // self.num_mma_wg
         nthr = self.num_mma_threads + 32
         lane = cute.arch.lane_idx()
-        num_n_blocks = cute.ceil_div(cta.seqlen_k, self.tile_n)
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
@@ -278,17 +275,7 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
             # MMA warpgroups write the next one.
             cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty, number_of_threads=nthr)
             if const_expr(self.deterministic):
-                sem_ptr = mdQsem.iterator + cute.crd2idx((batch, head_q, m_block),
-                                                         mdQsem.layout)
-                if const_expr(self.masked):
-                    # The whole warp counts; lane 0 waits.
-                    rank = masked_add_rank(cta.walks, batch, n_block, m_block)
-                else:
-                    rank = det_add_rank(m_block, n_block, num_n_blocks, tm, self.tile_n,
-                                        self.causal, cutlass.min)
-                if lane == 0:
-                    # The bulk reduces below come after the acquire.
-                    semaphore_wait(sem_ptr, rank)
+                sem_ptr = self.wait_dq_turn(cta, head_q, m_block)
             cute.arch.barrier(barrier_id=self.bar_dq_full, number_of_threads=nthr)
             if lane == 0:
                 for w in cutlass.range_constexpr(self.num_mma_wg):

@@ -242,7 +242,7 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     # The semaphores of a deterministic kernel; the walks of a masked one that takes
     # them: every one at head dims up to 128 and on sm_100a, the wide sm_90a kernel
     # only to rank its deterministic dQ adds.
-    sem_tile_m, walk_tiles, sem_parts = 0, None, 1
+    sem_tile_m, walk_tiles, sem_parts, parts = 0, None, 1, 1
     narrow = head_dim in (64, 96, 128)
     takes_walks = masked and (narrow or arch == "sm_100a" or deterministic)
     if deterministic or takes_walks:
@@ -259,9 +259,9 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
 
             tiles = bwd_tiles(head_dim, causal, head_dim_v)
             tile_m, tile_n = tiles.tile_m, tiles.tile_n
-            sem_parts = tiles.dkv_split
+            parts = tiles.dkv_split
         if deterministic:
-            sem_tile_m = tile_m
+            sem_tile_m, sem_parts = tile_m, parts
         if takes_walks:
             # Its walks come from the lowering (Note [Block walks] in rules/ranges.py).
             walk_tiles = (tile_n, tile_m)
@@ -277,5 +277,5 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
                        **common),
         sem_tile_m=sem_tile_m,
         walk_tiles=walk_tiles,
-        sem_parts=sem_parts if deterministic else 1,
+        sem_parts=sem_parts,
     )
