@@ -295,8 +295,9 @@ def test_backward_chain_of_steps(d, causal):
     sm_90a: each starts while its predecessor drains and waits before it reads. In a
     chain of four steps, where each step's dO and q come from the step before through
     XLA kernels, a kernel that read its inputs early would give gradients that vary
-    from run to run or are wrong. With the deterministic backward (hdim 64 / 128) the
-    three runs must be bitwise equal; every run's first step meets the 2x rule."""
+    from run to run or are wrong. With the deterministic backward (taken here at hdim
+    64 and 128) the three runs must be bitwise equal; every run's first step meets
+    the 2x rule."""
     b, s, h = 2, 1000, 4
     q, k, v = rand_qkv(d + 11, b, s, s, h, h, d, dtype=jnp.bfloat16)
     dout, dlse = _cotangents(d + 12, b, s, h, d)
