@@ -241,6 +241,8 @@ def test_wide_kernel_at_192(tmp_path, dv, masked):
     assert (kernel.tile_n, kernel.stages_qdo, kernel.stages_do, kernel.p_buffers) == (
         96, 2, 2 if dv == 128 else 1, 1)
     assert kernel.split_qdo == (dv == 192)
+    # dQ before dK^T, its hand-off under dK^T (Note [Wide GEMM order]).
+    assert kernel.dq_first
 
 
 @needs_cutlass

@@ -33,9 +33,15 @@ Order within one query block: S and dP issued together; P = exp2(...) (masked on
 in blocks holding a key past seqlen_k or, causal, a key after some query) while dP
 runs; P stored to SMEM with stmatrix (Note [P/dS buffers]), barrier over both
 warpgroups, dV^T issued; dS computed while dV^T runs; dS stored (single buffer),
-barrier, dK^T then dQ issued; once dV^T and dK^T are done the Q/dO stage is
-released, so the next block's load overlaps the dQ GEMM; then the dQ partial goes
-to the dQ warp through SMEM (Note [Wide dQ hand-off]).
+barrier, then dK^T and dQ issued in the order of Note [Wide GEMM order]; the dQ
+partial goes to the dQ warp through SMEM (Note [Wide dQ hand-off]).
+
+Note [Wide GEMM order]: at 256, with one Q/dO stage, dK^T goes before dQ: the
+stage is released once dV^T and dK^T are done, so the next block's Q/dO load
+overlaps the dQ GEMM and its hand-off. At 192 a
+second stage already holds the next block, so dQ goes first, as in the hdim 64-128
+kernel and flash-attn-4's: its hand-off to SMEM then runs while dK^T is on the
+tensor cores, and the stage is released after dK^T.
 
 Note [Wide shared memory]: Q, dO, K and V tiles are 32 KiB each at d = 256, the
 fp32 dQ tile 64 KiB, P 2 x 8 KiB, dS 8 KiB: 216 KiB plus 1 KiB of barriers and row
@@ -160,6 +166,12 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
         """dO / Dpsum stages: 2 where they fit too ((192, 128)); at (192, 192) one, in
         a pipeline of its own (Note [Split Q and dO stages] in sm90_bwd_common.py)."""
         return 2 if self.head_dim_v == 128 else 1
+
+    @property
+    def dq_first(self) -> bool:
+        """dQ issued before dK^T where a second Q stage holds the next block (192;
+        Note [Wide GEMM order])."""
+        return self.stages_qdo > 1
 
     @property
     def dkv_split_n(self) -> bool:
@@ -419,17 +431,25 @@ class FlashBwdSm90Wide(Sm90BwdCommon):
                 pipe_do.consumer_release(do_state)
                 do_state.advance()
 
-            # dK before dQ: Q and dO are then free as soon as dK is done, so the
-            # next block's Q/dO load overlaps the dQ GEMM and its SMEM hand-off.
-            wgmma_gemm(mma_dk, acc_dK, tdKrQt[None, None, None, stage], tdKrdSt,
-                       zero_init=False)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
-            wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
-
-            warpgroup.wait_group(1)  # dV and dK done: nothing reads this stage
-            pipe_qdo.consumer_release(state)  # split: Q's (dO's went above)
-            warpgroup.wait_group(0)  # dQ done
-            self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, 0, dq_threads)
+            if const_expr(self.dq_first):
+                # The hand-off runs under dK^T (Note [Wide GEMM order]).
+                wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                wgmma_gemm(mma_dk, acc_dK, tdKrQt[None, None, None, stage], tdKrdSt,
+                           zero_init=False)
+                warpgroup.wait_group(1)  # dV and dQ done; dK may still run
+                self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, 0, dq_threads)
+                warpgroup.wait_group(0)  # dK done: nothing reads this stage
+                pipe_qdo.consumer_release(state)  # split: Q's (dO's went above)
+            else:
+                # The stage frees before dQ (Note [Wide GEMM order]).
+                wgmma_gemm(mma_dk, acc_dK, tdKrQt[None, None, None, stage], tdKrdSt,
+                           zero_init=False)
+                wgmma_gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                warpgroup.wait_group(1)  # dV and dK done: nothing reads this stage
+                pipe_qdo.consumer_release(state)
+                warpgroup.wait_group(0)  # dQ done
+                self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, 0, dq_threads)
             state.advance()
         self.store_acc(acc_dK, mdK, thr_dk, d, self.softmax_scale, n_block, head_kv,
                        batch, seqlen_k)
