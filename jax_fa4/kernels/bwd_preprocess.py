@@ -89,7 +89,7 @@ def bwd_workspace_shapes(
 
 def stat_position(row, block: int):
     """Where query row ``row``'s LSElog2 / Dpsum go in a workspace laid out for a
-    main kernel that reads them by thread (``BwdTiles.stats_by_thread``), for plain
+    main kernel that reads them by thread (``BwdTiles.stats`` "by_thread"), for plain
     ints, numpy arrays and DSL integers alike.
 
     Within each aligned block of ``block`` rows (the main kernel's query tile, a

@@ -247,7 +247,8 @@ class FlashBwdSm100(BwdMainCall):
       head_dim, head_dim_v: 64, 96, 128, 192 or 256, equal, or DeepSeek's (192, 128).
       causal: top-left causal mask (query i sees key j <= i).
       softmax_scale: scale applied to Q K^T.
-      tiles: override of the tile table row (tests only).
+      tiles: a row in place of the tile table's (``bwd_tiles``): the deterministic
+        kernel's, whose reduce warps take more registers.
       deterministic: add each query block's dQ partials in a fixed key-block order
         (``FlashBwdSm100Deterministic``, which takes the semaphores).
       masked: the call takes each key's interval of seeing queries (rules/ranges.py),

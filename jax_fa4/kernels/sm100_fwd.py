@@ -153,7 +153,6 @@ class Sm100FwdTiles:
     correction_regs: int
     other_regs: int
     sw_exp2_per_32: int  # of every 32 elements of a row, the last this many use exp2_poly_x2
-    rescale_threshold: float  # Note [Lazy rescale], log2 units
     q_tiles: int = 2  # Q tiles per CTA (Note [One Q tile])
 
 
@@ -201,7 +200,6 @@ def fwd_tiles(head_dim: int, head_dim_v: int, causal: bool, dtype_bytes: int = 2
         correction_regs=80,
         other_regs=80 if wide else 48,
         sw_exp2_per_32=4 if head_dim >= 128 else 8,
-        rescale_threshold=RESCALE_THRESHOLD,
         q_tiles=q_tiles,
     )
 
@@ -300,7 +298,6 @@ class FlashFwdSm100(FwdCall):
     head_dim, head_dim_v: D and Dv (compile time; ``fwd_tiles``' pairs).
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
-    tiles: override the tile table (``fwd_tiles``) for experiments.
     masked: the call takes each query's interval of visible keys, (B, Sq, 2) int32
         (rules/ranges.py), which carries every mask (causal must then be False).
     segments: with ``masked``: the call also takes the query and key segment ids,
@@ -324,7 +321,6 @@ class FlashFwdSm100(FwdCall):
         head_dim_v: int | None = None,
         causal: bool = False,
         softmax_scale: float | None = None,
-        tiles: Sm100FwdTiles | None = None,
         masked: bool = False,
         segments: bool = False,
         sinks: bool = False,
@@ -343,7 +339,7 @@ class FlashFwdSm100(FwdCall):
         )
         if self.softmax_scale <= 0.0:
             raise ValueError("softmax_scale must be positive")
-        self.tiles = tiles or fwd_tiles(self.head_dim, self.head_dim_v, causal)
+        self.tiles = fwd_tiles(self.head_dim, self.head_dim_v, causal)
         t = self.tiles
         self.tile_m, self.tile_n = t.tile_m, t.tile_n
         if self.tile_m != 128 or self.tile_n not in (64, 128):
@@ -1215,7 +1211,7 @@ class FlashFwdSm100(FwdCall):
         # reference unless the max grew by more than the threshold. A NaN test
         # (both -inf) compares false and keeps the reference.
         cand = cute.arch.fmax(m_ref, blk_max)
-        moved = (cand - m_ref) * c > self.tiles.rescale_threshold
+        moved = (cand - m_ref) * c > RESCALE_THRESHOLD
         new_ref = cand if moved else m_ref
         new_ref_safe = Float32(0.0) if new_ref == -Float32.inf else new_ref
         # exp2(-inf) = 0 when the old reference is -inf (nothing accumulated yet).

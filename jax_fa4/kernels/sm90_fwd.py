@@ -436,7 +436,8 @@ class FlashFwdSm90(FwdCall):
         128 x 80) tested on the H200).
     causal: top-left causal mask.
     softmax_scale: multiplies q.k before the softmax; default 1/sqrt(D).
-    tiles: override the tile table (``fwd_tiles``), for tuning.
+    tiles: a row in place of the tile table's (``fwd_tiles``); a row the kernel
+        cannot run raises.
     masked: the call takes each query's interval of visible keys, (B, Sq, 2) int32
         (rules/ranges.py), which carries every mask (causal must then be False).
     segments: with ``masked``: the call also takes the query and key segment ids,
