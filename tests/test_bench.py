@@ -243,7 +243,7 @@ def test_main_writes_only_into_its_out_folder(tmp_path, monkeypatch):
     assert any(p.endswith(".csv") for p in written)
     out = tmp_path / "elsewhere"
     ba.main(["--cases", "64:128:1", "--peers", "", "--out", str(out)])
-    assert sorted(p.suffix for p in out.iterdir()) >= [".csv"]
+    assert ".csv" in {p.suffix for p in out.iterdir()}
 
 
 def test_masked_cases_count_their_visible_pairs():
