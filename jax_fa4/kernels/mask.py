@@ -271,6 +271,20 @@ class BlockRange:
         self.full_end = uniform(hi_min // block)
         self.block = block
 
+    @classmethod
+    def of(cls, fields: tuple, block: int) -> BlockRange:
+        """The range whose ``fields()`` another warp reduced (the sm90 forward's load
+        warp hands them to its consumers, Note [Tile ring] in sm90_fwd.py)."""
+        r = cls.__new__(cls)
+        uniform = cute.arch.make_warp_uniform
+        r.first, r.end, r.full_first, r.full_end = (uniform(f) for f in fields)
+        r.block = block
+        return r
+
+    def fields(self) -> tuple:
+        """(first, end, full_first, full_end)."""
+        return self.first, self.end, self.full_first, self.full_end
+
     def split(self, split: Int32, num_splits: Int32) -> tuple:
         """Keep split ``split`` of ``num_splits`` of the blocks (split keys, Note [Split
         keys] in sm90_fwd.py); returns the keys [lo, hi) the split may see, for

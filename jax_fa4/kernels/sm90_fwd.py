@@ -198,6 +198,16 @@ def counter_in_intervals(mQ: cute.Tensor, mRanges: cute.Tensor):
     return counter, ranges
 
 
+# Note [Tile ring]
+# ~~~~~~~~~~~~~~~~
+# The dynamic scheduler's load warp claims each tile and hands it to the consumer
+# warpgroups through a 2-slot SMEM ring. A masked tile's slot also carries its key
+# blocks (``BlockRange.fields``, and a split's keys): the load warp reduces the
+# tile's intervals from global memory while the consumers still work on the tile
+# before, and the consumers read the result from SMEM instead of waiting on global
+# loads of their own at every tile's start. The intervals the load warp read stay
+# in the SM's L1, where ``RangeMask`` reads each row's interval again.
+
 # Note [Paged KV]
 # ~~~~~~~~~~~~~~
 # A paged cache's K and V are pools (pages, page_size, Hkv, D): sequence b's key j
@@ -491,6 +501,9 @@ class FlashFwdSm90(FwdCall):
         # Causal tiles differ in cost: persistent CTAs take them from a global
         # counter (the call's extra operand, see FlashFwdSm90Dynamic).
         self.dynamic = self.persistent and self.lpt
+        # Int32 words of a tile ring slot (Note [Tile ring]): the tile index, and
+        # masked its ``BlockRange.fields()`` and with split keys the split's keys.
+        self.ring_words = 1 + (4 + 2 * int(self.split_kv) if self.masked else 0)
         self.num_sms = sm_count() if self.persistent else 0
         self.cluster_m = t.cluster_m
         if self.cluster_m not in (1, 2):
@@ -592,9 +605,10 @@ class FlashFwdSm90(FwdCall):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
-            # Dynamic scheduler: a 2-slot ring of tile indices, producer -> consumers.
+            # Dynamic scheduler: a 2-slot ring of tiles, producer -> consumers (Note
+            # [Tile ring]).
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 4 if self.dynamic else 0]
-            sched: cute.struct.MemRange[Int32, 2 if self.dynamic else 0]
+            sched: cute.struct.MemRange[Int32, 2 * self.ring_words if self.dynamic else 0]
 
         smem_bytes = SharedStorage.size_in_bytes()
         if cutlass.const_expr(smem_bytes > _SM90_MAX_SMEM_BYTES):
@@ -777,7 +791,7 @@ class FlashFwdSm90(FwdCall):
                 if cutlass.const_expr(self.dynamic):
                     self.load_dynamic(
                         load_ops, q_prod, kv_prod, pipe_sched,
-                        storage.sched.get_tensor(cute.make_layout(2)), mTileCounter, mRanges,
+                        self.ring(storage), mTileCounter, mRanges,
                         num_b)
                 elif cutlass.const_expr(self.persistent):
                     num_m, total = self.tile_count(mQ, num_b)
@@ -806,22 +820,21 @@ class FlashFwdSm90(FwdCall):
                     )
                 num_m, total = self.tile_count(mQ, num_b)
                 if cutlass.const_expr(self.dynamic):
-                    sched = storage.sched.get_tensor(cute.make_layout(2))
+                    sched = self.ring(storage)
                     s_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-                    t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
+                    t, slot, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                     while t < total:
                         t_m, t_head, t_out = self.lpt_coord(t, mQ, mK, num_b)
                         t_batch, t_blocks, t_keys = t_out, None, None
                         t_max = self.n_block_max(t_m, seqlen_k)
                         if cutlass.const_expr(self.masked):
-                            t_batch, t_blocks, t_keys = self.kv_blocks(mRanges, t_m, t_out,
-                                                                       seqlen_q, num_b)
+                            t_batch, t_blocks, t_keys = self.ring_blocks(slot, t_out, mRanges)
                             t_max = t_blocks.end
                         q_cons, kv_cons = self.consume(
                             *consume_ops, q_cons, kv_cons, t_m, t_head, t_batch, seqlen_q,
                             seqlen_k, t_max, first_turn=False, blocks=t_blocks, masks=masks,
                             out_batch=t_out, keys=t_keys)
-                        t, s_cons = self.next_tile(pipe_sched, sched, s_cons)
+                        t, slot, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                 else:
                     for t in cutlass.range(self.first_unit(), total, self.unit_step(),
                                            unroll=1):
@@ -880,15 +893,41 @@ class FlashFwdSm90(FwdCall):
         num_m = cute.ceil_div(self.q_rows(mQ), self.tile_m * self.cluster_m)
         return lpt_tile(t, num_m, num_heads, num_heads * num_b, size, cutlass.min)
 
+    def ring(self, storage):
+        """The tile ring in SMEM (Note [Tile ring]): (words, 2 slots) int32."""
+        return storage.sched.get_tensor(cute.make_layout((self.ring_words, 2)))
+
+    def post_tile(self, sched: cute.Tensor, slot: Int32, t, blocks=None, keys=None):
+        """Load warp: write tile t (with masks its key blocks and split's keys) into
+        ring slot ``slot``."""
+        sched[0, slot] = t
+        if cutlass.const_expr(self.masked and blocks is not None):
+            for w, f in enumerate(blocks.fields()):
+                sched[1 + w, slot] = f
+            if cutlass.const_expr(self.split_kv):
+                sched[5, slot] = keys[0]
+                sched[6, slot] = keys[1]
+
     @cute.jit
     def next_tile(self, pipe_sched, sched: cute.Tensor, state: pipeline.PipelineState):
-        """Consumer thread: the next tile index from the load warp (>= the tile
-        count when the CTA is done); returns (index, advanced state)."""
+        """Consumer thread: the next tile from the load warp (an index >= the tile
+        count when the CTA is done); returns (index, the slot's other words as a
+        tuple, advanced state)."""
         pipe_sched.consumer_wait(state)
-        t = sched[state.index]
+        t = sched[0, state.index]
+        words = tuple(sched[w, state.index] for w in range(1, self.ring_words))
         pipe_sched.consumer_release(state)
         state.advance()
-        return t, state
+        return t, words, state
+
+    def ring_blocks(self, words: tuple, tile_batch, mRanges: cute.Tensor):
+        """(batch, blocks, keys) of a masked tile from its ring slot's words, as
+        ``kv_blocks`` gives them."""
+        batch, keys = tile_batch, None
+        if cutlass.const_expr(self.split_kv):
+            batch = tile_batch % mRanges.shape[0]
+            keys = (words[4], words[5])
+        return batch, BlockRange.of(words[:4], self.tile_n), keys
 
     @cute.jit
     def load_dynamic(
@@ -897,7 +936,7 @@ class FlashFwdSm90(FwdCall):
         q_state: pipeline.PipelineState,
         state: pipeline.PipelineState,
         pipe_sched,
-        sched: cute.Tensor,  # (2,) int32 in SMEM
+        sched: cute.Tensor,  # the tile ring, (words, 2) int32 in SMEM
         mTileCounter: cute.Tensor,  # (1,) int32, zero at launch
         mRanges: cute.Tensor | None,  # (B, Sq, 2) int32 key intervals (masked only)
         num_b: Int32,  # the tiles' batch extent (``tile_count``)
@@ -905,8 +944,9 @@ class FlashFwdSm90(FwdCall):
         """Load warp of the dynamic scheduler: the CTA's first tile is its block
         index; each next one is grid + the global counter's old value (one atomic
         per tile, by lane 0, issued before the tile's loads so its latency hides
-        behind them). Every index, and a final one past the end, goes to the
-        consumers through a 2-slot SMEM ring."""
+        behind them). Every tile, with its key blocks where masked, and a final
+        index past the end go to the consumers through the tile ring (Note [Tile
+        ring])."""
         mQ, mK = load_ops[0], load_ops[1]
         _, total = self.tile_count(mQ, num_b)
         group = mQ.shape[2] // mK.shape[2]
@@ -916,25 +956,25 @@ class FlashFwdSm90(FwdCall):
         s_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         t = cute.arch.block_idx()[0]
         while t < total:
-            pipe_sched.producer_acquire(s_prod)
-            sched[s_prod.index] = t
-            pipe_sched.producer_commit(s_prod)
-            s_prod.advance()
             claimed = Int32(0)
             if lane == 0:
                 claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
             t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK, num_b)
-            t_blocks = None
+            t_blocks = t_keys = None
             t_max = self.n_block_max(t_m, seqlen_k)
             if cutlass.const_expr(self.masked):
-                t_batch, t_blocks, _ = self.kv_blocks(mRanges, t_m, t_batch, self.q_rows(mQ),
-                                                      num_b)
+                t_batch, t_blocks, t_keys = self.kv_blocks(mRanges, t_m, t_batch,
+                                                           self.q_rows(mQ), num_b)
                 t_max = t_blocks.end
+            pipe_sched.producer_acquire(s_prod)
+            self.post_tile(sched, s_prod.index, t, t_blocks, t_keys)
+            pipe_sched.producer_commit(s_prod)
+            s_prod.advance()
             q_state, state = self.load(*load_ops, q_state, state, t_m, t_head, t_head // group,
                                        t_batch, t_max, t_blocks)
             t = grid + cute.arch.shuffle_sync(claimed, 0)
         pipe_sched.producer_acquire(s_prod)
-        sched[s_prod.index] = t
+        self.post_tile(sched, s_prod.index, t)
         pipe_sched.producer_commit(s_prod)
 
     def tile_count(self, mQ, num_b):
@@ -976,8 +1016,9 @@ class FlashFwdSm90(FwdCall):
         """(batch, blocks, keys) of a masked tile: its batch, the key blocks query
         block m_block visits and, with split keys, the keys of the tile's split
         (``BlockRange.split``; tile_batch is split x B + batch of num_b = B x
-        splits), else None. Every warp that needs them reduces the tile's intervals
-        itself, so the roles agree without talking."""
+        splits), else None. With one tile per CTA every warp that needs them reduces
+        the tile's intervals itself, so the roles agree without talking; the
+        dynamic scheduler's load warp hands them on (Note [Tile ring])."""
         batch, keys = tile_batch, None
         if cutlass.const_expr(self.split_kv):
             b = mRanges.shape[0]
