@@ -320,6 +320,43 @@ def test_fwd_lpt_section_sizes():
     assert section(60000, 128, 1) == 1
 
 
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 63), (3, 7), (2, 8192), (256, 4),
+                                        (4096, 32), (1, 1 << 20)])
+def test_span_samples_stay_inside_the_intervals(batch, rows):
+    """The 32 interval rows a masked forward's load warp reads for its key span
+    (Note [Sections of masked tiles]) are rows of the intervals, spread over the
+    whole batch once there are 32 rows or more."""
+    from jax_fa4.kernels.sm90_fwd import span_sample
+
+    picks = [span_sample(lane, batch, rows) for lane in range(32)]
+    assert all(0 <= b < batch and 0 <= r < rows for b, r in picks)
+    if batch * rows >= 32:
+        flat = [b * rows + r for b, r in picks]
+        assert len(set(flat)) == 32
+        assert flat[0] < batch * rows // 32 + 1 and flat[-1] >= batch * rows * 31 // 32
+
+
+def test_masked_sections_follow_the_key_span():
+    """Packed documents of 1k (and a window of 1024) in 8k rows read about 9 key
+    blocks a tile: sections of 64 heads, as 1k rows get; a causal 8k row, lengths
+    or not, keeps the whole row's 8 (hdim 128, tiles 128 x 128)."""
+    from jax_fa4.kernels.sm90_fwd import lpt_section_size, span_blocks
+
+    t = fwd_tiles(128, 128, True, masked=True)
+
+    def section(span, seqlen_k=8192):
+        blocks = span_blocks(span, seqlen_k, t.tile_m, t.tile_n)
+        return lpt_section_size(blocks, 1, t.tile_n * 2 * 128 * 2)
+
+    assert span_blocks(1024, 8192, 128, 128) == 9
+    assert section(1024) == 64
+    assert section(1025) == 64
+    assert section(8192) == 8
+    assert section(4096) == 16
+    assert section(0) == 64
+    assert span_blocks(8192, 300, 128, 128) == 3
+
+
 @pytest.mark.parametrize("n_cols", [20, 32, 64])
 def test_mask_keep_bits_match_the_column_compare(n_cols):
     """TileMask(bitmask=True)'s arithmetic, on plain ints: for every column limit

@@ -60,7 +60,7 @@ from jax_fa4.kernels.cute_utils import (
     transpose_smem,
     wgmma_gemm,
 )
-from jax_fa4.kernels.mask import BlockRange, RangeMask, TileMask, edge_walk
+from jax_fa4.kernels.mask import BlockRange, RangeMask, TileMask, decode_hi, edge_walk
 from jax_fa4.kernels.softmax import (
     OnlineSoftmax,
     acc_mn_view,
@@ -201,12 +201,28 @@ def counter_in_intervals(mQ: cute.Tensor, mRanges: cute.Tensor):
 # Note [Tile ring]
 # ~~~~~~~~~~~~~~~~
 # The dynamic scheduler's load warp claims each tile and hands it to the consumer
-# warpgroups through a 2-slot SMEM ring. A masked tile's slot also carries its key
-# blocks (``BlockRange.fields``, and a split's keys): the load warp reduces the
-# tile's intervals from global memory while the consumers still work on the tile
-# before, and the consumers read the result from SMEM instead of waiting on global
-# loads of their own at every tile's start. The intervals the load warp read stay
-# in the SM's L1, where ``RangeMask`` reads each row's interval again.
+# warpgroups through a 2-slot SMEM ring: its index, its (query block, head, batch)
+# and, masked, its key blocks (``BlockRange.fields``, and a split's keys). The load
+# warp works them out while the consumers still run the tile before; the consumers
+# read them from SMEM instead of waiting on global loads of their own at every
+# tile's start. The intervals the load warp read stay in the SM's L1, where
+# ``RangeMask`` reads each row's interval again.
+#
+# Note [Sections of masked tiles]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The LPT order takes heads in sections whose K and V fit in L2 together. A
+# causal tile of an 8k row reads up to the whole row's keys, so at 8k and hdim 128
+# a section holds 8 heads. A masked tile may read far fewer: a document of 1k
+# tokens, a window. Sized for the whole row, the sections of packed documents run
+# query blocks 63 down to 0 of 8 heads each, and the last section's tiles cost 8,
+# 7, ..., 1 blocks over and over to the end, so the final long tiles start when
+# few remain and SMs idle in the tail. So the masked forward sizes its sections by
+# the keys a row sees (``key_span_blocks``): at kernel start the load warp reads
+# the intervals of 32 rows spread over the batch and takes their widest, the same
+# 32 rows in every CTA, so every CTA maps tile indices alike. On the H200, packed
+# documents of 1k in 8k rows (B=2, 16 heads of 128): forward kernel 153 -> 149.6
+# us with every section at 64 heads; a causal row with key lengths in turn lost 8%
+# with 64 (669 -> 722 us), which the widest interval keeps at 8.
 
 # Note [Paged KV]
 # ~~~~~~~~~~~~~~
@@ -312,6 +328,24 @@ def lpt_tile(t, num_m, num_heads, num_hb, section, minimum=min):
     j = rest // heads_here
     hb = sec * section + (rest - j * heads_here)
     return num_m - 1 - j, hb % num_heads, hb // num_heads
+
+
+def span_sample(lane, batch, rows):
+    """(batch, row) of the interval lane ``lane`` (of 32) reads to estimate a masked
+    tile's key span (Note [Sections of masked tiles]): rows spread evenly over the
+    batch x rows of the intervals. For plain ints (tests) and DSL integers alike."""
+    total = batch * rows
+    # lane * total / 32 + total / 64, rounded down, without a product past int32.
+    q, rem = total // 32, total % 32
+    r = lane * q + (lane * rem + q * 16 + rem // 2) // 32
+    b = r // rows
+    return b, r - b * rows
+
+
+def span_blocks(span, seqlen_k, tile_m: int, tile_n: int, minimum=min):
+    """Key blocks a tile of tile_m rows reads when each row sees at most ``span``
+    keys (on a diagonal that slopes across the tile), at most every block."""
+    return minimum((seqlen_k + tile_n - 1) // tile_n, (span + tile_m + tile_n - 1) // tile_n)
 
 
 def lpt_section_size(kv_blocks, group, kv_block_bytes: int,
@@ -501,9 +535,10 @@ class FlashFwdSm90(FwdCall):
         # Causal tiles differ in cost: persistent CTAs take them from a global
         # counter (the call's extra operand, see FlashFwdSm90Dynamic).
         self.dynamic = self.persistent and self.lpt
-        # Int32 words of a tile ring slot (Note [Tile ring]): the tile index, and
-        # masked its ``BlockRange.fields()`` and with split keys the split's keys.
-        self.ring_words = 1 + (4 + 2 * int(self.split_kv) if self.masked else 0)
+        # Int32 words of a tile ring slot (Note [Tile ring]): the tile index, its
+        # (m_block, head, batch), and masked its ``BlockRange.fields()`` and with
+        # split keys the split's keys.
+        self.ring_words = 4 + (4 + 2 * int(self.split_kv) if self.masked else 0)
         self.num_sms = sm_count() if self.persistent else 0
         self.cluster_m = t.cluster_m
         if self.cluster_m not in (1, 2):
@@ -824,11 +859,12 @@ class FlashFwdSm90(FwdCall):
                     s_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
                     t, slot, s_cons = self.next_tile(pipe_sched, sched, s_cons)
                     while t < total:
-                        t_m, t_head, t_out = self.lpt_coord(t, mQ, mK, num_b)
+                        t_m, t_head, t_out = slot[:3]
                         t_batch, t_blocks, t_keys = t_out, None, None
                         t_max = self.n_block_max(t_m, seqlen_k)
                         if cutlass.const_expr(self.masked):
-                            t_batch, t_blocks, t_keys = self.ring_blocks(slot, t_out, mRanges)
+                            t_batch, t_blocks, t_keys = self.ring_blocks(slot[3:], t_out,
+                                                                         mRanges)
                             t_max = t_blocks.end
                         q_cons, kv_cons = self.consume(
                             *consume_ops, q_cons, kv_cons, t_m, t_head, t_batch, seqlen_q,
@@ -878,35 +914,49 @@ class FlashFwdSm90(FwdCall):
             m_block = self.cta_block(m_block)
         return m_block, head, batch
 
-    def lpt_section(self, seqlen_k, group):
-        """Heads per L2 section of this kernel (``lpt_section_size``)."""
+    def lpt_section(self, kv_blocks, group):
+        """Heads per L2 section of this kernel (``lpt_section_size``) whose tiles
+        read kv_blocks key blocks."""
         return lpt_section_size(
-            cute.ceil_div(seqlen_k, self.tile_n), group,
+            kv_blocks, group,
             self.tile_n * (self.head_dim + self.head_dim_v) * (self.dtype.width // 8),
             lambda c, a, b: cutlass.select_(c, Int32(a), b), Int32(1))
 
-    def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor, num_b):
+    def lpt_coord(self, t, mQ: cute.Tensor, mK: cute.Tensor, num_b, kv_blocks=None):
         """(m_block, head, batch) of unit t in the LPT order (``lpt_tile``), over
-        num_b batches (with split keys: batch x split, Note [Split keys])."""
+        num_b batches (with split keys: batch x split, Note [Split keys]), in
+        sections for tiles of kv_blocks key blocks (default: every key block)."""
         num_heads = mQ.shape[2]
-        size = self.lpt_section(mK.shape[0], num_heads // mK.shape[2])
+        if cutlass.const_expr(kv_blocks is None):
+            kv_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        size = self.lpt_section(kv_blocks, num_heads // mK.shape[2])
         num_m = cute.ceil_div(self.q_rows(mQ), self.tile_m * self.cluster_m)
         return lpt_tile(t, num_m, num_heads, num_heads * num_b, size, cutlass.min)
+
+    def key_span_blocks(self, mRanges: cute.Tensor, seqlen_q, seqlen_k):
+        """Key blocks a masked tile reads at most, estimated from the widest interval
+        of 32 rows spread over the batch, the same rows in every CTA (Note
+        [Sections of masked tiles]); one warp, every lane gets the result."""
+        batch, row = span_sample(cute.arch.lane_idx(), mRanges.shape[0], seqlen_q)
+        hi, _ = decode_hi(mRanges[batch, row, 1])
+        span = cute.arch.warp_reduction(cutlass.max(hi - mRanges[batch, row, 0], 0),
+                                        cutlass.max)
+        return span_blocks(span, seqlen_k, self.tile_m, self.tile_n, cutlass.min)
 
     def ring(self, storage):
         """The tile ring in SMEM (Note [Tile ring]): (words, 2 slots) int32."""
         return storage.sched.get_tensor(cute.make_layout((self.ring_words, 2)))
 
-    def post_tile(self, sched: cute.Tensor, slot: Int32, t, blocks=None, keys=None):
-        """Load warp: write tile t (with masks its key blocks and split's keys) into
-        ring slot ``slot``."""
-        sched[0, slot] = t
-        if cutlass.const_expr(self.masked and blocks is not None):
-            for w, f in enumerate(blocks.fields()):
-                sched[1 + w, slot] = f
-            if cutlass.const_expr(self.split_kv):
-                sched[5, slot] = keys[0]
-                sched[6, slot] = keys[1]
+    def post_tile(self, sched: cute.Tensor, slot: Int32, t, coords=(), blocks=None,
+                  keys=None):
+        """Load warp: write tile t, its (m_block, head, batch) and, masked, its key
+        blocks and split's keys into ring slot ``slot`` (the final index past the
+        end goes alone)."""
+        words = (t,) + tuple(coords)
+        if cutlass.const_expr(blocks is not None):
+            words += blocks.fields() + (tuple(keys) if self.split_kv else ())
+        for w, x in enumerate(words):
+            sched[w, slot] = x
 
     @cute.jit
     def next_tile(self, pipe_sched, sched: cute.Tensor, state: pipeline.PipelineState):
@@ -951,6 +1001,14 @@ class FlashFwdSm90(FwdCall):
         _, total = self.tile_count(mQ, num_b)
         group = mQ.shape[2] // mK.shape[2]
         seqlen_k = mK.shape[0]
+        span = None
+        # Split keys: decode's single query block per head, where sections only
+        # reorder the heads (and the load warp has no register to spare).
+        if cutlass.const_expr(self.masked and not self.split_kv):
+            keys = seqlen_k
+            if cutlass.const_expr(self.page_size):
+                keys = load_ops[-1].shape[1] * self.page_size  # the page table's keys
+            span = self.key_span_blocks(mRanges, self.q_rows(mQ), keys)
         grid = cute.arch.grid_dim()[0]
         lane = cute.arch.lane_idx()
         s_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
@@ -959,7 +1017,8 @@ class FlashFwdSm90(FwdCall):
             claimed = Int32(0)
             if lane == 0:
                 claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
-            t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK, num_b)
+            t_m, t_head, t_batch = self.lpt_coord(t, mQ, mK, num_b, span)
+            coords = (t_m, t_head, t_batch)
             t_blocks = t_keys = None
             t_max = self.n_block_max(t_m, seqlen_k)
             if cutlass.const_expr(self.masked):
@@ -967,7 +1026,7 @@ class FlashFwdSm90(FwdCall):
                                                            self.q_rows(mQ), num_b)
                 t_max = t_blocks.end
             pipe_sched.producer_acquire(s_prod)
-            self.post_tile(sched, s_prod.index, t, t_blocks, t_keys)
+            self.post_tile(sched, s_prod.index, t, coords, t_blocks, t_keys)
             pipe_sched.producer_commit(s_prod)
             s_prod.advance()
             q_state, state = self.load(*load_ops, q_state, state, t_m, t_head, t_head // group,
