@@ -205,10 +205,10 @@ def counter_in_intervals(mQ: cute.Tensor, mRanges: cute.Tensor):
 # head, batch) and key blocks (``BlockRange.fields``, and a split's keys). The load
 # warp works them out while the consumers still run the tile before; the consumers
 # read them from SMEM instead of waiting on global loads of their own at every
-# tile's start. Unmasked, the index goes alone and first, before the load warp's
-# own work on the tile (a causal 8k forward: 748 us so, 758 with the coordinates
-# in the ring). The intervals the load warp read stay in the SM's L1, where
-# ``RangeMask`` reads each row's interval again.
+# tile's start. The intervals the load warp read stay in the SM's L1, where
+# ``RangeMask`` reads each row's interval again. Unmasked, the index goes alone and
+# first, before the load warp's own work on the tile: a causal 8k forward (B=2, 16
+# heads of 128) took 758 us with the coordinates in the ring, 748 so.
 #
 # Note [Sections of masked tiles]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -223,8 +223,10 @@ def counter_in_intervals(mQ: cute.Tensor, mRanges: cute.Tensor):
 # the intervals of 32 rows spread over the batch and takes their widest, the same
 # 32 rows in every CTA, so every CTA maps tile indices alike. On the H200, packed
 # documents of 1k in 8k rows (B=2, 16 heads of 128): forward kernel 153 -> 149.6
-# us with every section at 64 heads; a causal row with key lengths in turn lost 8%
-# with 64 (669 -> 722 us), which the widest interval keeps at 8.
+# us with every section at 64 heads, 155 -> 147 with this and the tile ring; a
+# causal row with key lengths in turn lost 8% with 64 (669 -> 722 us), which the
+# widest interval keeps at 8. Split keys (decode, one query block per head) keep
+# the whole row's sections: there they only reorder the heads.
 
 # Note [Paged KV]
 # ~~~~~~~~~~~~~~
