@@ -156,6 +156,10 @@ class KernelKey:
     # them, combined after the kernel (Note [Split keys] in kernels/sm90_fwd.py). The
     # split count is data: one kernel serves every count.
     split_kv: bool = False
+    # bwd_pre / bwd: every query block meets one key block, so the main kernel writes
+    # dQ itself: no fp32 accumulator (the preprocess writes none), no postprocess
+    # (Note [One key block per query block] in kernels/sm90_bwd.py).
+    dq_store: bool = False
 
 
 def page_size_error(page_size: int, tile_n: int) -> str | None:

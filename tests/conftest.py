@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -85,6 +86,31 @@ def assert_close_2x(got, ref_hi, ref_lo, atol: float, name: str = "") -> None:
     err = max_err(got, ref_hi)
     base = max_err(ref_lo, ref_hi)
     assert err <= 2 * base + atol, f"{name}: err {err:.3e} > 2 * {base:.3e} + {atol:.1e}"
+
+
+def attention_step(attend, out_shape, lse_shape):
+    """run(implementation, q, k, v) -> ((out, lse), (dq, dk, dv)): ``attend(q, k, v,
+    implementation)`` and the gradients of its ``weighted_loss``."""
+    def run(implementation, *xs):
+        f = functools.partial(attend, implementation=implementation)
+        loss = weighted_loss(f, out_shape, lse_shape)
+        return f(*xs), jax.grad(loss, argnums=(0, 1, 2))(*xs)
+    return run
+
+
+def assert_step_2x(run, q, k, v, got) -> None:
+    """``got``, run("cute", q, k, v)'s result (``attention_step``): out, lse and every
+    gradient (in q's dtype) within the 2x rule of the reference's at float32 and at
+    q's dtype."""
+    (out, lse), grads = got
+    ref = jax.jit(functools.partial(run, "reference"))
+    (hi_out, hi_lse), hi_grads = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
+    (lo_out, lo_lse), lo_grads = ref(q, k, v)
+    assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
+    assert_close_2x(lse, hi_lse, lo_lse, atol=1e-3, name="lse")
+    for n, g, h, lw in zip(("dq", "dk", "dv"), grads, hi_grads, lo_grads):
+        assert g.dtype == q.dtype
+        assert_close_2x(g, h, lw, atol=2e-3, name=n)
 
 
 @pytest.fixture

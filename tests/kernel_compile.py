@@ -104,6 +104,9 @@ def lower_bwd(kernel_cls, arch: str, dtype, head_dim: int, causal: bool,
     cute_dtype = {jnp.bfloat16: cutlass.BFloat16, jnp.float16: cutlass.Float16}[dtype]
     dv = head_dim if head_dim_v is None else head_dim_v
     ins, outs, aliases = bwd_structs(*shape, head_dim, dtype, dv)
+    if kernel_kwargs.get("dq_store"):
+        # No accumulator: dQ itself is the first output.
+        ins, outs, aliases = ins[:6], (ins[0],) + outs[1:], {}
     if getattr(kernel_cls, "takes_dq_semaphores", False):
         # (B, Hq, ceil(Sq / tile_m) x parts) int32 after mdQaccum, aliased to a 4th output.
         b, sq, _, hq, _ = shape

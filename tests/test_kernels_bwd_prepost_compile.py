@@ -39,25 +39,30 @@ def _structs(d: int, dtype=jnp.bfloat16):
     return o, lse, tuple(jax.ShapeDtypeStruct(*ws[k]) for k in ("Dpsum", "LSElog2", "dQaccum"))
 
 
-def _plan(arch: str, d: int, dlse: bool = True, dtype: str = "bfloat16"):
+def _plan(arch: str, d: int, dlse: bool = True, dtype: str = "bfloat16",
+          one_key_block: bool = False):
     from jax_fa4.rules.plan import bwd_plan
 
-    return bwd_plan(arch, dtype, d, d, False, d**-0.5, False, dlse)
+    return bwd_plan(arch, dtype, d, d, False, d**-0.5, False, dlse,
+                    one_key_block=one_key_block)
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    """build(kernel, arch, head_dim, dlse=True, dtype=bf16) -> (SASS, PTX) of the
-    plan's "pre" or "post" kernel, compiled once."""
+    """build(kernel, arch, head_dim, dlse=True, dtype=bf16, one_key_block=False) ->
+    (SASS, PTX) of the plan's "pre" or "post" kernel, compiled once."""
     cache = {}
 
-    def get(kernel: str, arch: str, d: int, dlse: bool = True, dtype=jnp.bfloat16):
-        key = (kernel, arch, d, dlse, jnp.dtype(dtype).name)
+    def get(kernel: str, arch: str, d: int, dlse: bool = True, dtype=jnp.bfloat16,
+            one_key_block: bool = False):
+        key = (kernel, arch, d, dlse, jnp.dtype(dtype).name, one_key_block)
         if key not in cache:
-            plan = _plan(arch, d, dlse, jnp.dtype(dtype).name)
+            plan = _plan(arch, d, dlse, jnp.dtype(dtype).name, one_key_block)
             o, lse, ws = _structs(d, dtype)
             if kernel == "pre":
-                make, ins, outs = plan.build_pre, (o, o, lse) + (lse,) * dlse, ws
+                # No accumulator where the main kernel writes dQ itself.
+                outs = ws[:2] if one_key_block else ws
+                make, ins = plan.build_pre, (o, o, lse) + (lse,) * dlse
             else:
                 make, ins, outs = plan.build_post, (ws[2],), (o,)
             dump = tmp_path_factory.mktemp("-".join(map(str, key)))
@@ -98,6 +103,20 @@ def test_preprocess(build, head_dim):
     zeroing = tile_m * head_dim // 4 // threads
     assert counts[True][1:] == counts[False][1:] == (zeroing, 1 + rows), counts
     assert counts[False][0] == counts[True][0] - rows, counts
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_preprocess_of_a_stored_dq(build, head_dim):
+    """Note [One key block per query block]: the preprocess of a backward whose main
+    kernel writes dQ itself has no accumulator to zero (no 128-bit stores), the same
+    statistics."""
+    sass, _ = build("pre", "sm_90a", head_dim, False, one_key_block=True)
+    zeroing, _ = build("pre", "sm_90a", head_dim, False)
+    assert_pdl_chained(sass)
+    assert count(r"\bSTG\.E\.128\b", zeroing) and not count(r"\bSTG\.E\.128\b", sass)
+    assert count(r"\bSTG\.E\s", sass) == count(r"\bSTG\.E\s", zeroing)
+    assert count(r"\bLDG\b", sass) == count(r"\bLDG\b", zeroing)
 
 
 @needs_cutlass

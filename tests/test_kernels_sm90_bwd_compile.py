@@ -48,8 +48,8 @@ HGMMA_PER_BLOCK_WIDE = 16 + 16 + 8 + 8 + 4
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """build(kind, head_dim, causal, dtype=bf16) -> (HLO text, SASS, ptxas report) of a
-    shipped sm90 backward main kernel ("table", "det", "wide" or "wide_det"), compiled
-    once."""
+    shipped sm90 backward main kernel ("table", "det", "wide", "wide_det", or "store":
+    the table's with ``dq_store``), compiled once."""
     cache = {}
 
     def get(kind: str, head_dim: int, causal: bool, dtype=jnp.bfloat16):
@@ -59,10 +59,12 @@ def build(tmp_path_factory):
 
             cls = {"table": sm90_bwd.FlashBwdSm90, "det": sm90_bwd.FlashBwdSm90Deterministic,
                    "wide": sm90_bwd_wide.FlashBwdSm90Wide,
-                   "wide_det": sm90_bwd_wide.FlashBwdSm90WideDeterministic}[kind]
+                   "wide_det": sm90_bwd_wide.FlashBwdSm90WideDeterministic,
+                   "store": sm90_bwd.FlashBwdSm90}[kind]
+            extra = {"dq_store": True} if kind == "store" else {}
             dump = tmp_path_factory.mktemp("-".join(map(str, key)))
             text = lower_bwd(cls, "sm_90a", dtype, head_dim, causal,
-                             compile_options=dump_options(dump), use_pdl=True)
+                             compile_options=dump_options(dump), use_pdl=True, **extra)
             cache[key] = (text, dumped_sass(dump), _ptxas_report(dump))
         return cache[key]
 
@@ -146,6 +148,27 @@ def test_table_kernel(build, head_dim, causal):
 
     grid_yz = count(r"SR_CTAID\.[YZ]", sass)
     assert (grid_yz == 0) == t.lpt, grid_yz
+
+
+@needs_cutlass
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
+def test_stored_dq_kernel(build, head_dim, causal):
+    """``dq_store`` (Note [One key block per query block]): the table kernel with dQ's
+    tile rounded into SMEM by stmatrix and stored by TMA (as many boxes as dK's), no
+    bulk reduce, no flat hand-off; the rest as the table kernel (the same GEMMs, no
+    per-thread global stores)."""
+    from jax_fa4.kernels.sm90_bwd import bwd_tiles
+
+    _, sass, report = build("store", head_dim, causal)
+    _, table, _ = build("table", head_dim, causal)
+    peeled = 8 if bwd_tiles(head_dim, causal).skip_masked_wg else 0
+    _assert_healthy(sass, report, HGMMA_PER_BLOCK + peeled)
+    assert_pdl_chained(sass)
+    assert "UBLKRED" not in sass and count(r"\bUBLKRED\.G\.S\.ADD\.F32", table) == 2
+    dk_boxes = count("UTMASTG", table) // 2
+    assert count("UTMASTG", sass) == count("UTMASTG", table) + dk_boxes
+    assert count("STSM", sass) > count("STSM", table)
+    assert not count(r"\bSTS\.128\b", sass) and not count(r"\bSTG\.", sass)
 
 
 @needs_cutlass
@@ -246,7 +269,8 @@ def test_wide_kernel_at_192(tmp_path, dv, masked):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("kind,head_dim,causal", [("table", 128, True), ("wide", WIDE, False)])
+@pytest.mark.parametrize("kind,head_dim,causal", [("table", 128, True), ("wide", WIDE, False),
+                                                   ("store", 64, False)])
 def test_fp16_builds(build, kind, head_dim, causal):
     text, sass, report = build(kind, head_dim, causal, jnp.float16)
     assert "custom_call" in text

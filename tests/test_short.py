@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close_2x, rand_qkv, weighted_loss
+from conftest import assert_step_2x, attention_step, rand_qkv
 
 import jax_fa4
 from jax_fa4.config import AttentionConfig
@@ -73,18 +73,7 @@ def test_short_sequences_against_the_reference(b, s, hq, hkv, d, causal):
         return jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
                                  implementation=implementation)
 
-    def run(implementation, *xs):
-        f = functools.partial(attend, implementation=implementation)
-        loss = weighted_loss(f, xs[0].shape[:3] + (xs[2].shape[-1],), (b, hq, s))
-        return f(*xs), jax.grad(loss, argnums=(0, 1, 2))(*xs)
-
+    run = attention_step(attend, (b, s, hq, d), (b, hq, s))
     with poison_outputs():
-        (out, lse), grads = jax.jit(functools.partial(run, "cute"))(q, k, v)
-    ref = jax.jit(functools.partial(run, "reference"))
-    (hi_out, hi_lse), hi_grads = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
-    (lo_out, lo_lse), lo_grads = ref(q, k, v)
-    assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
-    assert_close_2x(lse, hi_lse, lo_lse, atol=1e-3, name="lse")
-    for n, g, h, lw in zip(("dq", "dk", "dv"), grads, hi_grads, lo_grads):
-        assert g.dtype == q.dtype
-        assert_close_2x(g, h, lw, atol=2e-3, name=n)
+        got = jax.jit(functools.partial(run, "cute"))(q, k, v)
+    assert_step_2x(run, q, k, v, got)

@@ -10,7 +10,8 @@ Runs once before the main backward kernel. Per query row i of every
 cotangent is a symbolic zero; no zero-filled dLSE is made or read then)
 
 and zeroes the whole fp32 dQ accumulator, padding rows included, because the
-main kernel only ever adds into it.
+main kernel adds into it (none where the main kernel writes dQ itself: Note [One
+key block per query block] in sm90_bwd.py).
 
 The kernel is architecture neutral (plain vectorized global loads and stores,
 warp shuffles): the same code compiles for sm_90a and sm_100a. It is memory
@@ -228,12 +229,14 @@ class FlashBwdPreprocess:
 
     Compile-time: dtype (bf16/fp16), head_dim_v (width of O/dO), head_dim
     (width of dQaccum), stat_block (None: LSElog2 / Dpsum in row order; else in
-    the by-thread order of ``stat_position`` for a main kernel with that query tile).
+    the by-thread order of ``stat_position`` for a main kernel with that query tile),
+    zero_dq (False: no dQaccum at all, for a main kernel that stores dQ itself, Note
+    [One key block per query block] in sm90_bwd.py; the call then ends at mLSElog2).
     Batch, seqlen and heads are dynamic.
     """
 
     def __init__(self, dtype, head_dim_v: int, head_dim: int, stat_block: int | None = None,
-                 use_pdl: bool = False):
+                 use_pdl: bool = False, zero_dq: bool = True):
         if cutlass is None:
             raise ImportError("FlashBwdPreprocess needs nvidia-cutlass-dsl")
         if head_dim_v % 8 or head_dim % 8:
@@ -246,6 +249,7 @@ class FlashBwdPreprocess:
         self.stat_block = stat_block
         # Launched with programmatic dependent launch (``cute_utils.pdl_start``).
         self.use_pdl = use_pdl
+        self.zero_dq = zero_dq
         self.tile_m, self.num_threads = preprocess_tiling(head_dim_v)
         assert SEQLEN_Q_PAD % self.tile_m == 0
         assert self.tile_m <= self.num_threads  # one thread per row moves LSE
@@ -262,14 +266,15 @@ class FlashBwdPreprocess:
         mdLSE: cute.Tensor,  # (B, Hq, Sq) f32, cotangent of LSE
         mDpsum: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
         mLSElog2: cute.Tensor,  # (B, Hq, Sq_pad) f32, out
-        mdQaccum: cute.Tensor,  # (B, Hq, Sq_pad, D) f32, out: zeroed
+        *accum: cute.Tensor,  # with ``zero_dq``: mdQaccum (B, Hq, Sq_pad, D) f32, out:
+        # zeroed
     ):
-        self.launch(stream, mO, mdO, mLSE, mdLSE, mDpsum, mLSElog2, mdQaccum)
+        self.launch(stream, mO, mdO, mLSE, mdLSE, mDpsum, mLSElog2, *accum)
 
     @cute.jit
     def launch(self, stream: cuda.CUstream, mO: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mdLSE: cute.Tensor | None, mDpsum: cute.Tensor,
-               mLSElog2: cute.Tensor, mdQaccum: cute.Tensor):
+               mLSElog2: cute.Tensor, mdQaccum: cute.Tensor | None = None):
         """The launch behind ``__call__``; mdLSE None: no LSE cotangent
         (``FlashBwdPreprocessNoDlse``)."""
         if const_expr(mO.element_type != self.dtype or mdO.element_type != self.dtype):
@@ -282,16 +287,19 @@ class FlashBwdPreprocess:
         sdO = bshd_view(mdO, self.head_dim_v)  # (Sq, Dv, Hq, B)
         sLSE, sDpsum, sLSElog2 = [bhs_view(t) for t in (mLSE, mDpsum, mLSElog2)]
         sdLSE = None if const_expr(mdLSE is None) else bhs_view(mdLSE)
-        # (Sq_pad * D, Hq, B): each head's accumulator is one contiguous run.
-        b, h, s_pad = mdQaccum.shape[0], mdQaccum.shape[1], mdQaccum.shape[2]
-        head_elems = cute.assume(cutlass.Int64(s_pad) * self.head_dim, divby=self.head_dim)
-        sdQaccum = cute.make_tensor(
-            mdQaccum.iterator,
-            cute.make_layout(
-                (s_pad * self.head_dim, h, b),
-                stride=(1, head_elems, cute.assume(head_elems * h, divby=self.head_dim)),
-            ),
-        )
+        sdQaccum = None
+        if const_expr(self.zero_dq):
+            # (Sq_pad * D, Hq, B): each head's accumulator is one contiguous run.
+            b, h, s_pad = mdQaccum.shape[0], mdQaccum.shape[1], mdQaccum.shape[2]
+            head_elems = cute.assume(cutlass.Int64(s_pad) * self.head_dim,
+                                     divby=self.head_dim)
+            sdQaccum = cute.make_tensor(
+                mdQaccum.iterator,
+                cute.make_layout(
+                    (s_pad * self.head_dim, h, b),
+                    stride=(1, head_elems, cute.assume(head_elems * h, divby=self.head_dim)),
+                ),
+            )
 
         copy_o, tpr = row_tiled_copy(self.dtype, self.head_dim_v, self.num_threads)
         zero_atom = cute.make_copy_atom(
@@ -301,7 +309,7 @@ class FlashBwdPreprocess:
             zero_atom, cute.make_layout(self.num_threads), cute.make_layout(4)
         )
         # Sq_pad / tile_m blocks cover every row of dQaccum; blocks past Sq only zero.
-        grid = (cute.ceil_div(s_pad, self.tile_m), h, b)
+        grid = (cute.ceil_div(mDpsum.shape[2], self.tile_m), mDpsum.shape[1], mDpsum.shape[0])
         self.kernel(
             sO, sdO, sLSE, sdLSE, sDpsum, sLSElog2, sdQaccum, copy_o, copy_zero, tpr
         ).launch(grid=grid, block=(self.num_threads, 1, 1), stream=stream,
@@ -316,7 +324,7 @@ class FlashBwdPreprocess:
         mdLSE: cute.Tensor | None,  # (Sq, Hq, B); None: no LSE cotangent
         mDpsum: cute.Tensor,  # (Sq, Hq, B)
         mLSElog2: cute.Tensor,  # (Sq, Hq, B)
-        mdQaccum: cute.Tensor,  # (Sq_pad * D, Hq, B)
+        mdQaccum: cute.Tensor | None,  # (Sq_pad * D, Hq, B); None: ``zero_dq`` off
         copy_o: cute.TiledCopy,
         copy_zero: cute.TiledCopy,
         threads_per_row: cutlass.Constexpr[int],
@@ -355,16 +363,17 @@ class FlashBwdPreprocess:
                 cute.copy(copy_o, tOgO[None, m, None], tOrO[None, m, None])
                 cute.copy(copy_o, tOgdO[None, m, None], tOrdO[None, m, None])
 
-        # Zero this CTA's block of dQaccum (flat per head) while the loads are in
-        # flight.
-        gdQaccum = cute.local_tile(
-            mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
-        )
-        thr_zero = copy_zero.get_slice(tidx)
-        tZgZ = thr_zero.partition_D(gdQaccum)
-        tZrZ = cute.make_rmem_tensor_like(tZgZ)
-        tZrZ.fill(0.0)
-        cute.copy(copy_zero, tZrZ, tZgZ)
+        if const_expr(self.zero_dq):
+            # Zero this CTA's block of dQaccum (flat per head) while the loads are
+            # in flight.
+            gdQaccum = cute.local_tile(
+                mdQaccum[None, head, batch], (tile_m * self.head_dim,), (m_block,)
+            )
+            thr_zero = copy_zero.get_slice(tidx)
+            tZgZ = thr_zero.partition_D(gdQaccum)
+            tZrZ = cute.make_rmem_tensor_like(tZgZ)
+            tZrZ.fill(0.0)
+            cute.copy(copy_zero, tZrZ, tZgZ)
 
         # LSE in base 2: one thread per row, coalesced; +inf on padding rows.
         if tidx < tile_m:
@@ -407,9 +416,9 @@ class FlashBwdPreprocessNoDlse(FlashBwdPreprocess):
     @cute.jit
     def __call__(self, stream: cuda.CUstream, mO: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDpsum: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQaccum: cute.Tensor):
+                 *accum: cute.Tensor):
         # FlashBwdPreprocess.__call__'s operands without mdLSE.
-        self.launch(stream, mO, mdO, mLSE, None, mDpsum, mLSElog2, mdQaccum)
+        self.launch(stream, mO, mdO, mLSE, None, mDpsum, mLSElog2, *accum)
 
 
 __all__ = [

@@ -402,11 +402,16 @@ class BwdMainCall:
     (rules/ranges.py), passed to ``launch`` as mRanges after mdQsem (None if none);
     one with ``segments`` the query and key segment ids, (B, Sq) and (B, Sk); one
     masked that ``takes_walks`` each key block's walk, (B, ceil(Sk / tile_n), 5)
-    int32 (``key_block_ranges``), passed after them as mWalks."""
+    int32 (``key_block_ranges``), passed after them as mWalks.
+
+    ``dq_store`` (Note [One key block per query block] in sm90_bwd.py): no
+    accumulator; dQ (B, Sq, Hq, D) in the kernel's dtype is an output, before mdK,
+    and goes to ``launch`` in mdQaccum's place."""
 
     takes_dq_semaphores = False
     masked = False
     segments = False
+    dq_store = False
 
     @property
     def takes_walks(self) -> bool:
@@ -429,11 +434,15 @@ class BwdMainCall:
         # mdV (B, Sk, Hkv, Dv)
     ):
         rest = list(rest)
+        if const_expr(self.dq_store):  # mdQaccum took the first operand after Dpsum
+            rest = [mdQaccum] + rest
         if const_expr(self.takes_dq_semaphores):
             mdQsem = _pop_int32(rest, "the dQ semaphores")
         masks = _pop_mask_operands(self, rest)
         if const_expr(self.masked and self.takes_walks):
             masks = masks + (_pop_int32(rest, "the key blocks' walks"),)
+        if const_expr(self.dq_store):
+            mdQaccum = rest.pop(0)
         mdK, mdV = rest
         if const_expr(self.takes_dq_semaphores):
             self.launch(stream, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV, mdQsem,
@@ -546,13 +555,16 @@ def tma_store_tile(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) ->
 def check_bwd_operand_dtypes(kernel, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK,
                              mdV) -> None:
     """Refuse, at compile time, backward operands whose dtypes the kernel was not
-    built for: Q, K, V, dO, dK, dV in kernel.dtype; LSElog2, Dpsum, dQaccum in f32."""
+    built for: Q, K, V, dO, dK, dV in kernel.dtype; LSElog2, Dpsum, dQaccum in f32
+    (dQ itself in kernel.dtype where the kernel stores it, ``dq_store``)."""
     if not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
             == mdK.element_type == mdV.element_type == kernel.dtype):
         raise TypeError("Q, K, V, dO, dK, dV must all have the kernel's dtype")
-    if not (mLSElog2.element_type == mDpsum.element_type == mdQaccum.element_type
-            == cutlass.Float32):
-        raise TypeError("LSElog2, Dpsum and dQaccum must be float32")
+    if not (mLSElog2.element_type == mDpsum.element_type == cutlass.Float32):
+        raise TypeError("LSElog2 and Dpsum must be float32")
+    dq_type = kernel.dtype if kernel.dq_store else cutlass.Float32
+    if mdQaccum.element_type != dq_type:
+        raise TypeError(f"{'dQ' if dq_type is kernel.dtype else 'dQaccum'} must be {dq_type}")
 
 
 class PagedKV:

@@ -66,6 +66,19 @@ there and with it dS = 0: those queries add exact zeros to dV, dK and to the
 padding rows of dQaccum. Keys past seqlen_k (and, causal, keys after the query)
 get S = -inf, hence P = 0, in the blocks that contain any; their dK/dV rows are
 never stored (the epilogue's TMA store clips them).
+
+Note [One key block per query block]: where the lowering knows that every query
+block's walk meets exactly one key block (all keys in one block, Sk <= tile_n, or
+short sequences packed whole into the key blocks, Note [Short sequences] in
+rules/kernels_cuda.py), that block's partial is the whole dQ of the query block.
+With ``dq_store`` the MMA warpgroups scale and round it into dQ's tile in SMEM
+(stmatrix, as the epilogue writes dK) and the dQ warp stores the tile by TMA, rows
+past seqlen_q clipped: no fp32 accumulator, so the preprocess zeroes none and no
+postprocess runs; dQ leaves once, in the input dtype, instead of as floats added
+into zeroed lines that the postprocess reads back. With one partial per block dQ
+is also reproducible without the deterministic kernel's semaphores. (Many short
+sequences spend much of their backward on that traffic: 1024 x 128 tokens at hdim
+128 move 2 GB of accumulator zeros, adds and reads for 0.5 GB of dQ.)
 """
 
 from dataclasses import dataclass
@@ -262,8 +275,15 @@ def _column_stat(stats: str, regs, c: int, s_stat, stage, tScS, part, quad_lane)
 class FlashBwdSm90(Sm90BwdCommon):
     """Backward main kernel for sm_90a; see the module docstring and docs/design.md.
 
-    Args: as ``Sm90BwdCommon``; head_dim = head_dim_v = 64 or 128.
+    Args: as ``Sm90BwdCommon``; head_dim = head_dim_v = 64, 96 or 128; dq_store:
+    Note [One key block per query block].
     """
+
+    def __init__(self, *args, dq_store: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if dq_store and self.deterministic:
+            raise ValueError("a stored dQ is the only partial: no add order to fix")
+        self.dq_store = dq_store
 
     head_dims = (64, 96, 128)
     smem_more = ("sdS", "sdQ")
@@ -336,6 +356,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         masks: with ``masked``, the keys' query intervals (and segment ids)."""
         d = self.head_dim
         tm, tn = self.tile_m, self.tile_n
+        # dq_store: mdQaccum is dQ itself, (B, Sq, Hq, D), viewed as (Sq, D, Hq, B).
         mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV = self.operand_views(
             mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
 
@@ -345,8 +366,14 @@ class FlashBwdSm90(Sm90BwdCommon):
             self.load_layouts())
         # dS^T (tile_n x tile_m, queries contiguous), double buffered.
         sdS_layout = sm90_smem_layout(self.dtype, tn, tm, 2)
-        # The dQ partial, both warpgroups' parts in the flat order: plain floats.
-        sdQ_layout = cute.make_layout(tm * d)
+        # The dQ partial, both warpgroups' parts in the flat order: plain floats. Stored
+        # (dq_store): dQ's tile, written by stmatrix through the dQ MMA (whose warpgroups
+        # split it along d at one 64-row atom: swizzle atoms that divide their parts).
+        sdQ_layout, sdQ_dtype = cute.make_layout(tm * d), Float32
+        if const_expr(self.dq_store):
+            sdQ_layout = sm90_smem_layout(self.dtype, tm, d, None,
+                                          swizzle_cols=d // (self.num_mma_wg // (tm // 64)))
+            sdQ_dtype = self.dtype
 
         ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),
          (tma_LSE, gmem_LSE), (tma_Dpsum, gmem_Dpsum)), bytes_qdo, bytes_kv = self.load_atoms(
@@ -356,15 +383,19 @@ class FlashBwdSm90(Sm90BwdCommon):
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         tma_dK, gmem_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (tn, d))
         tma_dV, gmem_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (tn, self.head_dim_v))
+        atoms = (tma_dK, tma_dV)
+        if const_expr(self.dq_store):
+            tma_dQ, mdQaccum = cpasync.make_tiled_tma_atom(s2g, mdQaccum, sdQ_layout, (tm, d))
+            atoms = atoms + (tma_dQ,)
 
         SharedStorage = self.shared_storage(
             sQ_layout, sdO_layout, sK_layout, sV_layout, row_stage,
-            sdS=(self.dtype, sdS_layout), sdQ=(Float32, sdQ_layout))
+            sdS=(self.dtype, sdS_layout), sdQ=(sdQ_dtype, sdQ_layout))
         self.launch_kernel(
             mK, (gmem_Q, gmem_K, gmem_V, gmem_dO, gmem_LSE, gmem_Dpsum),
             (mdQaccum, gmem_dK, gmem_dV, mdQsem), (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dpsum),
-            (tma_dK, tma_dV), (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout,
-                               sdS_layout, sdQ_layout),
+            atoms, (sQ_layout, sdO_layout, sK_layout, sV_layout, sRow_layout,
+                    sdS_layout, sdQ_layout),
             (mma_sdp, mma_dk, mma_dv, mma_dq), bytes_qdo, bytes_kv, SharedStorage, stream,
             masks)
 
@@ -403,7 +434,9 @@ class FlashBwdSm90(Sm90BwdCommon):
     def dq_warp(self, cta):
         """Warp 1: as each warpgroup's part of the dQ partial is in SMEM, one 1-D bulk
         reduce-add of it into the query block's tile_m * d floats of mdQaccum, in
-        flat order (Note [Flat dQ accumulator]).
+        flat order (Note [Flat dQ accumulator]); with ``dq_store``, once both parts
+        of dQ's tile are in SMEM, one TMA store of it (Note [One key block per query
+        block]).
 
         Deterministic: the query block's semaphore counts the key blocks whose
         partials have landed; this CTA adds its partial when the count reaches its
@@ -412,7 +445,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         add to complete, then counts itself. CTAs wait only on blocks that launch
         earlier (``det_key_block``: the causal and masked grids run the key blocks
         in reverse), so the wait cannot deadlock."""
-        mdQaccum = cta.outs[0]
+        mdQaccum = cta.outs[0]  # dq_store: the TMA view of dQ
         _, head_kv, batch = cta.coords
         group, m_block_min, num_m, num_iters = cta.work
         sdQ = cta.smem["sdQ"]
@@ -424,27 +457,36 @@ class FlashBwdSm90(Sm90BwdCommon):
         for it in cutlass.range(num_iters, unroll=1):
             head_q, m_block = self.work_item(it, head_kv, group, m_block_min, num_m)
             gdQ = cute.local_tile(mdQaccum[None, None, head_q, batch], (tm, d), (m_block, 0))
-            # Each part is free again (its previous reduce has read it): let its
-            # warpgroup write the next one. Parts are served in order, and their
+            # Each part is free again (its previous reduce or store has read it): let
+            # its warpgroup write the next one. Parts are served in order, and their
             # writers never wait for each other.
             for w in cutlass.range_constexpr(n_parts):
                 cute.arch.barrier_arrive(barrier_id=self.bar_dq_empty + w,
                                          number_of_threads=nthr)
-            if const_expr(self.deterministic):
-                sem_ptr = self.wait_dq_turn(cta, head_q, m_block)
-            for w in cutlass.range_constexpr(n_parts):
-                cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+            if const_expr(self.dq_store):
+                # dQ's tile, both parts, leaves by one TMA store (rows past Sq clipped).
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
                 if lane == 0:
-                    bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
-                                        part * 4)
+                    tma_store_tile(cta.atoms[2], sdQ, gdQ)
                     cute.arch.cp_async_bulk_commit_group()
-            if lane == 0:
-                if const_expr(self.deterministic):
-                    # The reduces land before the next key block may add.
-                    semaphore_release_after_bulk(sem_ptr)
-                else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # The reduce-adds must land before the kernel ends.
+            else:
+                if const_expr(self.deterministic):
+                    sem_ptr = self.wait_dq_turn(cta, head_q, m_block)
+                for w in cutlass.range_constexpr(n_parts):
+                    cute.arch.barrier(barrier_id=self.bar_dq_full + w, number_of_threads=nthr)
+                    if lane == 0:
+                        bulk_reduce_add_f32(gdQ.iterator + w * part, sdQ.iterator + w * part,
+                                            part * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                if lane == 0:
+                    if const_expr(self.deterministic):
+                        # The reduces land before the next key block may add.
+                        semaphore_release_after_bulk(sem_ptr)
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # The reduce-adds (stores) must land before the kernel ends.
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -454,7 +496,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         the pointwise math; dK/dV epilogue."""
         sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDpsum = cta.smem.values()
         _, mdK, mdV, _ = cta.outs
-        tma_dK, tma_dV = cta.atoms
+        tma_dK, tma_dV = cta.atoms[0], cta.atoms[1]
         mma_sdp, mma_dk, mma_dv, mma_dq = cta.mmas
         pipe_qdo, pipe_kv = cta.pipe_qdo, cta.pipe_kv
         n_block, head_kv, batch = cta.coords
@@ -512,7 +554,9 @@ class FlashBwdSm90(Sm90BwdCommon):
         copy_ds = cute.make_tiled_copy_C(stsm, mma_sdp)
         thr_copy_ds = copy_ds.get_slice(tidx)
         tdSsdS = thr_copy_ds.partition_D(sdS)
-        r2s_dq, tdQsdQ = self.flat_dq_copy(thr_dq, sdQ, tidx, wg_idx)
+        r2s_dq, tdQsdQ = None, sdQ  # dq_store: stmatrix into dQ's tile (``dq_out``)
+        if const_expr(not self.dq_store):
+            r2s_dq, tdQsdQ = self.flat_dq_copy(thr_dq, sdQ, tidx, wg_idx)
 
         ds_bar = pipeline.NamedBarrier(barrier_id=_BAR_DS, num_threads=self.num_mma_threads)
         dq_threads = 128 + 32  # this warpgroup and the dQ warp
@@ -527,7 +571,7 @@ class FlashBwdSm90(Sm90BwdCommon):
             peel = cta.full[2] if self.masked else Int32(0)
             it0 = self.masked_first_item(
                 state, pipe_qdo, copy_ds, thr_copy_ds, tdKrdS, tdSsdS, ds_bar, mma_dq,
-                thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off, dq_threads, wg_idx,
+                thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off, dq_threads, wg_idx, tidx,
                 n_block, head_kv, m_block_min, num_m, num_iters, key_limit, peel)
             state = pipeline.PipelineState(self.stages_qdo, it0, it0, Int32(0))
         # BwdTiles.carry_coords: item it's query block is m_block_min + m_rel, m_rel
@@ -615,7 +659,7 @@ class FlashBwdSm90(Sm90BwdCommon):
 
             # dV and dQ done; dK may still run.
             warpgroup.wait_group(1)
-            self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads)
+            self.dq_out(r2s_dq, acc_dQ, tdQsdQ, mma_dq, tidx, dq_bar_off, dq_threads)
 
             warpgroup.wait_group(0)
             consumer_release_elected(pipe_qdo, state)
@@ -629,8 +673,8 @@ class FlashBwdSm90(Sm90BwdCommon):
     @cute.jit
     def masked_first_item(self, state, pipe_qdo, copy_ds, thr_copy_ds, tdKrdS, tdSsdS, ds_bar,
                           mma_dq, thr_dq, tdQrdS, tdQrKt, r2s_dq, tdQsdQ, dq_bar_off,
-                          dq_threads, wg_idx, n_block, head_kv, m_block_min, num_m, num_iters,
-                          key_limit, peel):
+                          dq_threads, wg_idx, tidx, n_block, head_kv, m_block_min, num_m,
+                          num_iters, key_limit, peel):
         """MMA warpgroup, ``BwdTiles.skip_masked_wg`` (Note [Masked warpgroup]): if
         this warpgroup's keys are all masked for the walk's first query block, its
         part of that item without the S^T, dP^T, dV and dK GEMMs: zeros as its half
@@ -650,9 +694,28 @@ class FlashBwdSm90(Sm90BwdCommon):
                 thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
             wgmma_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, 0], tdQrKt, zero_init=True)
             warpgroup.wait_group(0)
-            self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads)
+            self.dq_out(r2s_dq, acc_dQ, tdQsdQ, mma_dq, tidx, dq_bar_off, dq_threads)
             consumer_release_elected(pipe_qdo, state)
         return cutlass.select_(skip, Int32(1), Int32(0))
+
+    @cute.jit
+    def dq_out(self, r2s_dq, acc_dQ, tdQsdQ, mma_dq, tidx, dq_bar_off, dq_threads):
+        """MMA warpgroup: this query block's dQ registers to the dQ warp through SMEM,
+        as flat floats of the partial (``dq_handoff``) or, with ``dq_store``, scaled
+        and rounded into dQ's tile (``tdQsdQ`` is then the tile; stmatrix as the
+        epilogue writes dK, once this warpgroup's part of it is free)."""
+        if const_expr(self.dq_store):
+            rdQ = cute.make_fragment_like(acc_dQ, self.dtype)
+            rdQ.store((acc_dQ.load() * self.softmax_scale).to(self.dtype))
+            cute.arch.barrier(barrier_id=self.bar_dq_empty + dq_bar_off,
+                              number_of_threads=dq_threads)
+            stmatrix_acc(rdQ, mma_dq, tdQsdQ, tidx, self.dtype)
+            # The st.matrix writes must be visible to the TMA engine before it reads.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=self.bar_dq_full + dq_bar_off,
+                                     number_of_threads=dq_threads)
+        else:
+            self.dq_handoff(r2s_dq, acc_dQ, tdQsdQ, dq_bar_off, dq_threads)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, tma_dK, tma_dV, sK, sV, mma_dk, mma_dv,

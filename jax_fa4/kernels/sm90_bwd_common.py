@@ -150,11 +150,12 @@ class Sm90BwdCommon(BwdMainCall):
     def operand_views(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV):
         """Check the operands' dtypes and re-view them as the TMA tiles see them:
         (S, D, H, B) for the [B, S, H, D] tensors, (Sq_pad, D, Hq, B) for dQaccum,
-        (Sq_pad, Hq, B) for the row statistics."""
+        (Sq_pad, Hq, B) for the row statistics. mdQaccum: a [B, Sq, Hq, D] dQ in the
+        kernel's dtype where the kernel stores dQ itself (``FlashBwdSm90.dq_store``)."""
         check_bwd_operand_dtypes(self, mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV)
         mQ, mK, mV, mdO, mdK, mdV = [permute(t, [1, 3, 2, 0])
                                      for t in (mQ, mK, mV, mdO, mdK, mdV)]
-        mdQaccum = permute(mdQaccum, [2, 3, 1, 0])
+        mdQaccum = permute(mdQaccum, [1, 3, 2, 0] if self.dq_store else [2, 3, 1, 0])
         mLSElog2, mDpsum = [stat_rows_view(t, SEQLEN_Q_PAD) for t in (mLSElog2, mDpsum)]
         return mQ, mK, mV, mdO, mLSElog2, mDpsum, mdQaccum, mdK, mdV
 

@@ -21,7 +21,14 @@ from jax_fa4.config import (
 )
 from jax_fa4.ffi import cutlass_available, kernel_call
 from jax_fa4.reference import gather_pages
-from jax_fa4.rules.plan import bwd_plan, fwd_plan, fwd_tile_shape, num_sms, split_count
+from jax_fa4.rules.plan import (
+    bwd_plan,
+    dq_store_keys,
+    fwd_plan,
+    fwd_tile_shape,
+    num_sms,
+    split_count,
+)
 from jax_fa4.rules.ranges import key_block_ranges, key_ranges, mask_arrays, query_ranges
 
 # Per tensor: the dimensions that are compile-time constants (the head dims).
@@ -58,6 +65,21 @@ def _short_rows(config: AttentionConfig, b: int, sq: int, sk: int) -> int:
     while b % p:
         p -= 1
     return p
+
+
+def stores_dq(config: AttentionConfig, arch: str, b: int, sq: int, sk: int, head_dim: int,
+              head_dim_v: int) -> bool:
+    """Whether the backward's main kernel writes dQ itself, where every query block
+    meets one key block (Note [One key block per query block] in kernels/sm90_bwd.py):
+    all keys in one block and no mask, or short sequences that tile the key blocks
+    (Note [Short sequences]; every query block, at most as many rows as a key block
+    has keys, then lies in one too)."""
+    keys = dq_store_keys(arch, head_dim, head_dim_v)
+    if not keys:
+        return False
+    if _short_rows(config, b, sq, sk) > 1:
+        return keys % sq == 0
+    return not config.masked and 0 < sk <= keys
 
 
 def _packed_rows(p: int, config: AttentionConfig, *xs):
@@ -237,32 +259,40 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     return out, lse
 
 
-def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str):
+def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str,
+             one_key_block: bool | None = None):
     """(dq, dk, dv) from the three backward kernels. rest: the mask arrays the config
     names, then LSE's cotangent, or nothing where it is a symbolic zero (the
     preprocess then reads none).
 
     config.deterministic: the main kernel adds each query block's dQ partials in a
     fixed key-block order through per-block semaphores, with masks an order computed
-    from the key blocks' walks (kernels/dq_layout.py)."""
+    from the key blocks' walks (kernels/dq_layout.py).
+
+    one_key_block: the main kernel writes dQ itself (``stores_dq``, which None asks;
+    the packed rows of short sequences pass what it said of the sequences)."""
     if config.scale < 0:  # as forward: -q with |scale|; dL/dq is minus dL/d(-q)
         neg_q, config = _positive_scale(q, config)
-        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, *rest, config=config, arch=arch)
+        dq, dk, dv = backward(neg_q, k, v, out, lse, dout, *rest, config=config, arch=arch,
+                              one_key_block=one_key_block)
         return -dq, dk, dv
     masks, dlse = rest[:config.num_mask_operands], rest[config.num_mask_operands:]
     b, sq, hq, _ = q.shape
-    p = _short_rows(config, b, sq, k.shape[1])
+    sk = k.shape[1]
+    if one_key_block is None:
+        one_key_block = stores_dq(config, arch, b, sq, sk, q.shape[-1], v.shape[-1])
+    p = _short_rows(config, b, sq, sk)
     if p > 1:  # Note [Short sequences]
         packed, rows, ids = _packed_rows(p, config, q, k, v, out, dout)
         stats = [_stat_rows(p, x, packed=True) for x in (lse, *dlse)]
         grads = backward(*rows[:4], stats[0], rows[4], *ids, *stats[1:], config=packed,
-                         arch=arch)
+                         arch=arch, one_key_block=one_key_block)
         return tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
     if b == 0 or hq == 0:  # no query attends to K and V: their gradients are zero
         return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
     plan = bwd_plan(arch, dtype_name(q.dtype), q.shape[-1], v.shape[-1], bool(config.causal),
                     float(config.scale), bool(config.deterministic), bool(dlse), config.masked,
-                    config.segments, config.softcap)
+                    config.segments, config.softcap, one_key_block)
     mask_ops = mask_static = ()
     if config.masked:
         mask_ops, mask_static = _mask_operands(config, masks, q, k, keys=True,
@@ -272,11 +302,22 @@ def backward(q, k, v, out, lse, dout, *rest, config: AttentionConfig, arch: str)
         # chain of the three.
         lse, mask_ops = jax.lax.optimization_barrier((lse, mask_ops))
     ws = plan.workspaces(b, sq, hq)
-    dpsum, lse_log2, dq_accum = kernel_call(
+    if plan.main.dq_store:
+        # Note [One key block per query block]: no accumulator, no postprocess.
+        ws = ws[:2]
+    dpsum, lse_log2, *dq_accum = kernel_call(
         plan.pre, plan.build_pre, (out, dout, lse, *dlse), ws,
         in_static=(_BSHD, _BSHD, _BHS) + (_BHS,) * len(dlse),
-        out_static=(_BHS, _BHS, _BSHD),
+        out_static=(_BHS, _BHS, _BSHD)[:len(ws)],
     )
+    if plan.main.dq_store:
+        grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+        dq, dk, dv = kernel_call(plan.main, plan.build_main,
+                                 (q, k, v, dout, lse_log2, dpsum) + mask_ops, grads,
+                                 in_static=(_BSHD,) * 4 + (_BHS, _BHS) + mask_static,
+                                 out_static=(_BSHD,) * 3)[:3]
+        return dq, dk, dv
+    (dq_accum,) = dq_accum
     inputs = (q, k, v, dout, lse_log2, dpsum, dq_accum)
     in_static = (_BSHD,) * 4 + (_BHS, _BHS, _BSHD)
     outs = (ws[2], jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))

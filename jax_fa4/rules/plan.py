@@ -68,7 +68,9 @@ class BwdPlan:
     the main kernel writes dK and dV and reduce-adds dQ partials into the
     accumulator (in the order ``post.dq_tile_m`` names); the postprocess scales
     and converts it to dQ. On sm_90a the three form one programmatic-dependent-
-    launch chain.
+    launch chain. With ``main.dq_store`` the main kernel writes dQ itself: no
+    accumulator, no postprocess (Note [One key block per query block] in
+    kernels/sm90_bwd.py).
     """
 
     pre: KernelKey
@@ -109,7 +111,8 @@ class BwdPlan:
         k = self.pre
         kernel = FlashBwdPreprocess if k.dlse else FlashBwdPreprocessNoDlse
         return kernel(_cutlass_dtype(k.dtype), k.head_dim_v, k.head_dim,
-                      stat_block=k.stat_block or None, use_pdl=self.pdl)
+                      stat_block=k.stat_block or None, use_pdl=self.pdl,
+                      zero_dq=not k.dq_store)
 
     def build_main(self):
         k = self.main
@@ -133,6 +136,8 @@ class BwdPlan:
             extra.update(masked=True, segments=k.segments)
         if k.softcap is not None:
             extra["softcap"] = k.softcap
+        if k.dq_store:
+            extra["dq_store"] = True
         return Kernel(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                       **extra)
 
@@ -220,13 +225,35 @@ def split_count(arch: str, head_dim: int, head_dim_v: int, batch: int, heads: in
     return max(1, min(num_sms // max(tiles, 1), blocks // _MIN_SPLIT_BLOCKS, _MAX_SPLITS))
 
 
+def dq_store_keys(arch: str, head_dim: int, head_dim_v: int) -> int:
+    """Keys per block of the backward of ``arch`` at these head dims if it can store
+    the dQ partial of a query block that meets one key block (Note [One key block
+    per query block] in kernels/sm90_bwd.py), else 0: the sm_90a kernel at head dims
+    up to 128. (The wide sm_90a and the sm_100a kernels always add.)"""
+    if arch == "sm_90a" and head_dim in (64, 96, 128) and head_dim_v == head_dim:
+        from jax_fa4.kernels.sm90_bwd import FlashBwdSm90
+
+        return FlashBwdSm90.tile_n
+    return 0
+
+
 @functools.cache
 def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
              scale: float, deterministic: bool, dlse: bool, masked: bool = False,
-             segments: bool = False, softcap: float | None = None) -> BwdPlan:
+             segments: bool = False, softcap: float | None = None,
+             one_key_block: bool = False) -> BwdPlan:
     """``dlse``: the preprocess takes LSE's cotangent (False where it is a symbolic
     zero: nothing used the LSE). ``masked`` / ``segments`` / ``softcap``: as
-    ``fwd_plan``, for the main kernel (which takes the keys' query intervals)."""
+    ``fwd_plan``, for the main kernel (which takes the keys' query intervals).
+    ``one_key_block``: every query block meets exactly one block of
+    ``dq_store_keys`` keys, which must be nonzero; the main kernel stores its dQ
+    partials, which needs no deterministic kernel (Note [One key block per query
+    block] in kernels/sm90_bwd.py)."""
+    if one_key_block:
+        if not dq_store_keys(arch, head_dim, head_dim_v):
+            raise ValueError(f"the {arch} backward at head dim {head_dim} adds every dQ "
+                             "partial")
+        deterministic = False
     if masked:
         causal = False
     stat_block = dq_tile_m = 0
@@ -270,9 +297,10 @@ def bwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     # are keyed by the layouts they share with the main kernel instead.
     return BwdPlan(
         pre=KernelKey(kind="bwd_pre", causal=False, scale=1.0, stat_block=stat_block,
-                      dlse=dlse, **common),
+                      dlse=dlse, dq_store=one_key_block, **common),
         main=KernelKey(kind="bwd_det" if deterministic else "bwd", causal=causal, scale=scale,
-                       masked=masked, segments=segments, softcap=softcap, **common),
+                       masked=masked, segments=segments, softcap=softcap,
+                       dq_store=one_key_block, **common),
         post=KernelKey(kind="bwd_post", causal=False, scale=scale, dq_tile_m=dq_tile_m,
                        **common),
         sem_tile_m=sem_tile_m,
