@@ -157,15 +157,11 @@ class FlashBwdPostprocess:
     def launch_flat(self, stream: cuda.CUstream, sdQaccum: cute.Tensor, sdQ: cute.Tensor):
         from cutlass.cute.nvgpu import cpasync
 
-        from jax_fa4.kernels.cute_utils import sm90_smem_layout
-        from jax_fa4.kernels.sm90_bwd_common import dq_tiled_mma
+        from jax_fa4.kernels.sm90_bwd_common import dq_tile_layout, dq_tiled_mma
 
         tm, d = self.tile_m, self.head_dim
         mma = dq_tiled_mma(self.dtype, tm, d)
-        # stmatrix writes each warpgroup's part of the MMA's columns (``dq_tiled_mma``:
-        # split along d when tm has one 64-row atom): swizzle atoms that divide it.
-        sdQ_layout = sm90_smem_layout(self.dtype, tm, d, None,
-                                      swizzle_cols=d // (2 // (tm // 64)))
+        sdQ_layout = dq_tile_layout(self.dtype, tm, d)
         tma, gdQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), sdQ,
                                                sdQ_layout, (tm, d))
 

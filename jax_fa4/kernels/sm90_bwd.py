@@ -106,7 +106,7 @@ from jax_fa4.kernels.cute_utils import (
     zero_acc,
 )
 from jax_fa4.kernels.dq_layout import det_key_block
-from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tiled_mma
+from jax_fa4.kernels.sm90_bwd_common import Sm90BwdCommon, dq_tile_layout, dq_tiled_mma
 from jax_fa4.kernels.sm90_fwd import lpt_section_size, lpt_tile
 from jax_fa4.kernels.softmax import acc_mn_view, cap_scores, capped_grad
 
@@ -371,8 +371,7 @@ class FlashBwdSm90(Sm90BwdCommon):
         # split it along d at one 64-row atom: swizzle atoms that divide their parts).
         sdQ_layout, sdQ_dtype = cute.make_layout(tm * d), Float32
         if const_expr(self.dq_store):
-            sdQ_layout = sm90_smem_layout(self.dtype, tm, d, None,
-                                          swizzle_cols=d // (self.num_mma_wg // (tm // 64)))
+            sdQ_layout = dq_tile_layout(self.dtype, tm, d)
             sdQ_dtype = self.dtype
 
         ((tma_Q, gmem_Q), (tma_K, gmem_K), (tma_V, gmem_V), (tma_dO, gmem_dO),

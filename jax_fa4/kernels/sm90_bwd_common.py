@@ -52,9 +52,24 @@ def dq_tiled_mma(dtype, tile_m: int, head_dim: int, num_wg: int = 2) -> cute.Til
 
     mn = cute.nvgpu.OperandMajorMode.MN
     wg_m = tile_m // 64
-    wg_n = num_wg // wg_m
     return sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, mn, mn, Float32, (wg_m, wg_n, 1), (64, head_dim // wg_n))
+        dtype, dtype, mn, mn, Float32, (wg_m, num_wg // wg_m, 1),
+        (64, dq_part_cols(tile_m, head_dim, num_wg)))
+
+
+def dq_part_cols(tile_m: int, head_dim: int, num_wg: int = 2) -> int:
+    """Columns of dQ (and of K, its B operand) per warpgroup of ``dq_tiled_mma``:
+    all of them where the warpgroups split tile_m, else a share of head_dim."""
+    return head_dim // (num_wg // (tile_m // 64))
+
+
+def dq_tile_layout(dtype, tile_m: int, head_dim: int):
+    """SMEM layout of a (tile_m, head_dim) dQ tile in ``dtype`` that stmatrix writes
+    through ``dq_tiled_mma`` and one TMA store reads: swizzle atoms that divide each
+    warpgroup's part (the postprocess's tile, and the main kernel's with
+    ``FlashBwdSm90.dq_store``)."""
+    return sm90_smem_layout(dtype, tile_m, head_dim, None,
+                            swizzle_cols=dq_part_cols(tile_m, head_dim))
 
 
 @dataclass
@@ -169,7 +184,7 @@ class Sm90BwdCommon(BwdMainCall):
         # K is also dQ = dS K's B operand, split along d between the warpgroups when
         # the query tile has one 64-row atom (``dq_tiled_mma``): at d = 96 each
         # takes 48 columns, which the 64-byte swizzle's 32-column atoms do not divide.
-        k_cols = d // (self.num_mma_wg // (tm // 64))
+        k_cols = dq_part_cols(tm, d, self.num_mma_wg)
         return (sm90_smem_layout(self.dtype, tm, d, st),
                 sm90_smem_layout(self.dtype, tm, dv, self.stages_do),
                 sm90_smem_layout(self.dtype, tn, d, None, swizzle_cols=k_cols),
