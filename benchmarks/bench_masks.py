@@ -21,6 +21,11 @@ Cases (the masks issue's rows):
                (DeepSeek's)                                     takes no other v dim)
   short32      4096 sequences of 32, causal, 16 heads of 64     vs cuDNN, flash-attn-4
   short128     1024 sequences of 128, causal, 16 heads of 128   vs cuDNN, flash-attn-4
+  padded128    1024 sequences of 128 with lengths in [32, 128],  vs cuDNN (query / key
+               not causal, 12 heads of 64 (BERT-base's)         lengths)
+  cross128     B=16, 4096 queries against 128 keys with key     vs cuDNN (key lengths)
+               lengths in [8, 128], 10 heads of 64 (text
+               conditioning)
 
 TFLOP/s count the visible (query, key) pairs: forward 2 * H * (D + Dv) * pairs,
 backward 2.5x.
@@ -86,6 +91,9 @@ def cases() -> list[Case]:
     docs = np.repeat(np.arange(8, dtype=np.int32), 1024)[None].repeat(2, 0)
     lengths = np.array([8192, 4096], np.int32)
     sinks = np.linspace(-1.0, 2.0, 32, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    padded = rng.integers(32, 129, 1024).astype(np.int32)
+    prompts = rng.integers(8, 129, 16).astype(np.int32)
     return [
         Case("lengths", 2, 8192, 8192, dict(causal=True, kv_lengths=lengths),
              cudnn=dict(is_causal=True, key_value_seq_lengths=lengths)),
@@ -115,6 +123,11 @@ def cases() -> list[Case]:
              fa4="func", fa4_kwargs=dict(causal=True), hdim=64),
         Case("short128", 1024, 128, 128, dict(causal=True), cudnn=dict(is_causal=True),
              fa4="func", fa4_kwargs=dict(causal=True)),
+        Case("padded128", 1024, 128, 128, dict(q_lengths=padded, kv_lengths=padded),
+             cudnn=dict(query_seq_lengths=padded, key_value_seq_lengths=padded),
+             heads=12, kv_heads=12, hdim=64),
+        Case("cross128", 16, 4096, 128, dict(kv_lengths=prompts),
+             cudnn=dict(key_value_seq_lengths=prompts), heads=10, kv_heads=10, hdim=64),
     ]
 
 
@@ -122,7 +135,8 @@ def visible_pairs(c: Case) -> int:
     """Visible (query, key) pairs of the case, counted with the reference's rule."""
     kw = c.ours
     causal = kw.get("causal", False)
-    m = Masks(None, None if "kv_lengths" not in kw else jnp.asarray(kw["kv_lengths"]),
+    m = Masks(None if "q_lengths" not in kw else jnp.asarray(kw["q_lengths"]),
+              None if "kv_lengths" not in kw else jnp.asarray(kw["kv_lengths"]),
               None if "q_segment_ids" not in kw else jnp.asarray(kw["q_segment_ids"]),
               None if "q_segment_ids" not in kw else jnp.asarray(kw["q_segment_ids"]))
     step = min(c.sq, 1024)

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close_2x, rand_qkv
+from conftest import assert_close_2x, assert_lse_2x, rand_qkv
 
 import jax_fa4
 from jax_fa4 import reference
+from jax_fa4.config import AttentionConfig
 from jax_fa4.ffi import poison_outputs
+from jax_fa4.rules.kernels_cuda import stores_dq
 
 pytestmark = pytest.mark.gpu
 
@@ -78,15 +80,13 @@ def _kernel(q, k, v, kw, deterministic=False):
                                 for n, x in kw.items()})
 
 
-def _assert_lse(got, hi, lo):
-    """-inf exactly where the reference has it (rows that see no key), else the 2x
-    rule."""
-    got, hi, lo = (np.asarray(x, np.float64) for x in (got, hi, lo))
-    empty = np.isneginf(hi)
-    assert np.array_equal(np.isneginf(got), empty), "lse: -inf rows differ"
-    assert not np.isnan(got).any()
-    if not empty.all():
-        assert_close_2x(got[~empty], hi[~empty], lo[~empty], atol=1e-3, name="lse")
+def _calls(b, sq, sk, d):
+    """Kernel calls of a masked forward + backward step: the forward, the
+    preprocess, the main kernel and the postprocess, none where the main kernel
+    writes dQ itself (Note [One key block per query block] in kernels/sm90_bwd.py;
+    no shape here packs short sequences)."""
+    config = AttentionConfig(scale=1.0, causal=False, kv_lengths=True)
+    return 3 if stores_dq(config, "sm_90a", b, sq, sk, d, d) else 4
 
 
 SHAPES = [(2, 300, 300, 4, 2), (2, 113, 503, 4, 1), (2, 503, 113, 2, 2), (1, 1000, 1000, 2, 1)]
@@ -116,7 +116,7 @@ def _check_against_reference(name, shape, d, deterministic=False):
 
     fn = jax.jit(lambda: run(functools.partial(_kernel, kw=kw, deterministic=deterministic)))
     with poison_outputs():
-        assert fn.lower().as_text().count(CALL) == 4
+        assert fn.lower().as_text().count(CALL) == _calls(b, sq, sk, d)
         (out, lse), grads = fn()
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
 
@@ -128,7 +128,7 @@ def _check_against_reference(name, shape, d, deterministic=False):
     (hi_out, hi_lse), hi_grads = ref_vjp(*f32, dout.astype(jnp.float32), jnp.float32)
     (lo_out, lo_lse), lo_grads = ref_vjp(q, k, v, dout, dtype)
     assert_close_2x(out, hi_out, lo_out, atol=1e-3, name="out")
-    _assert_lse(lse, hi_lse, lo_lse)
+    assert_lse_2x(lse, hi_lse, lo_lse)
     for n, g, h, lw in zip(("dq", "dk", "dv"), grads, hi_grads, lo_grads):
         assert g.dtype == dtype
         assert_close_2x(g, h, lw, atol=2e-3, name=n)

@@ -17,6 +17,7 @@ import pytest
 from conftest import assert_step_2x, attention_step, rand_qkv
 
 import jax_fa4
+from jax_fa4.config import AttentionConfig
 from jax_fa4.ffi import poison_outputs
 from jax_fa4.rules.plan import bwd_plan, dq_store_keys
 
@@ -37,12 +38,24 @@ def _bwd_keys(monkeypatch, kernel_calls, b, sq, sk, hq, hkv, d, **kw):
     return keys["bwd_pre"], main, "bwd_post" in keys
 
 
+def _lengths(*xs):
+    return jnp.array(xs, jnp.int32)
+
+
 @pytest.mark.parametrize("sq,sk,d,kw", [
     (300, 128, 128, dict(causal=True)),  # all keys in one block
     (70, 1, 64, dict(causal=False)),
     (1000, 77, 96, dict(causal=False, deterministic=True)),  # one partial: no order
     (32, 32, 128, dict(causal=True)),  # short sequences, 16 per row, 4 per key block
     (128, 128, 64, dict(causal=False)),
+    # Masked: one key block, its walk widened to every query block.
+    (300, 100, 128, dict(causal=True, kv_lengths=_lengths(100, 3))),
+    (300, 100, 64, dict(causal="bottom_right", window=(30, 0), q_lengths=_lengths(300, 9))),
+    (200, 128, 128, dict(q_segment_ids=jnp.zeros((2, 200), jnp.int32),
+                         kv_segment_ids=jnp.ones((2, 128), jnp.int32))),
+    # Short sequences with lengths, packed (Note [Short sequences]).
+    (32, 32, 128, dict(causal=True, kv_lengths=jnp.arange(64, dtype=jnp.int32) % 33)),
+    (128, 128, 64, dict(q_lengths=jnp.arange(64, dtype=jnp.int32) * 2)),
 ])
 def test_stored_dq(monkeypatch, kernel_calls, sq, sk, d, kw):
     pre, main, post = _bwd_keys(monkeypatch, kernel_calls, 64 if sq == sk else 2, sq, sk, 4, 2,
@@ -52,13 +65,44 @@ def test_stored_dq(monkeypatch, kernel_calls, sq, sk, d, kw):
 
 @pytest.mark.parametrize("b,sq,sk,d,kw", [
     (2, 300, 129, 128, dict(causal=True)),  # two key blocks
-    (2, 300, 100, 128, dict(causal=True, kv_lengths=jnp.array([100, 3], jnp.int32))),
+    (2, 300, 129, 128, dict(causal=True, kv_lengths=_lengths(100, 3))),
     (12, 100, 100, 128, dict(causal=True)),  # packed sequences that straddle key blocks
+    (12, 48, 48, 128, dict(q_lengths=jnp.arange(12, dtype=jnp.int32))),
     (2, 300, 64, 256, dict(causal=True)),  # the wide kernel adds
 ])
 def test_added_dq(monkeypatch, kernel_calls, b, sq, sk, d, kw):
     pre, main, post = _bwd_keys(monkeypatch, kernel_calls, b, sq, sk, 4, 2, d, **kw)
     assert not pre.dq_store and not main.dq_store and post
+
+
+def test_masked_walks_visit_every_query_block(monkeypatch, kernel_calls):
+    """A masked backward that stores dQ gets walks over every query block (rows the
+    mask hides from the keys included); one that adds dQ the mask's own walks."""
+    from jax_fa4.rules import kernels_cuda
+
+    widened = []
+    real = kernels_cuda.owned_walks
+    monkeypatch.setattr(kernels_cuda, "owned_walks",
+                        lambda *a: widened.append(a[1:]) or real(*a))
+    kw = dict(causal="bottom_right", window=(30, 0), q_lengths=_lengths(300, 9))
+    for sk, stored in ((100, True), (129, False)):
+        _, main, _ = _bwd_keys(monkeypatch, kernel_calls, 2, 300, sk, 4, 2, 128, **kw)
+        assert main.dq_store == stored
+    assert widened == [(128, 64, 300)]
+    # The operands themselves, on concrete masks: the bottom-right diagonal hides
+    # query blocks 0-2 of batch 0 from the keys, the lengths blocks 1-4 of batch 1.
+    config = AttentionConfig(scale=1.0, causal=True, bottom_right=True, window=(30, 0),
+                             q_lengths=True)
+    q, k, _ = rand_qkv(0, 2, 300, 100, 4, 2, 128)
+    for own in (False, True):
+        (*_, walks), _ = kernels_cuda._mask_operands(
+            config, (_lengths(300, 9),), q, k, keys=True, walk_tiles=(128, 64),
+            own_blocks=own)
+        walks = np.asarray(walks)
+        if own:
+            assert np.all(walks[:, 0, :2] == [0, 5])
+        else:
+            assert tuple(walks[0, 0, :2]) == (3, 5) and tuple(walks[1, 0, :2]) == (0, 1)
 
 
 def test_plan():
@@ -92,6 +136,55 @@ def test_against_the_reference(b, sq, sk, hq, hkv, d, causal, det):
     with poison_outputs():
         step = jax.jit(functools.partial(run, "cute"))
         got = step(q, k, v)
+        if det:
+            for g, h in zip(got[1], step(q, k, v)[1]):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+    assert_step_2x(run, q, k, v, got)
+
+
+def _random_lengths(seed, b, s):
+    """[B] lengths drawn in [0, s], with 0, 1 and s among them."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([[0, 1, s], rng.integers(0, s + 1, b - 3)]).astype(np.int32)
+
+
+# Masked (Note [One key block per query block]: walks over every query block).
+MASKED = [
+    # Packed 4 per row at hdim 128 (two 64-row query blocks per key block): a
+    # sequence of one query leaves a whole block that no key sees; an empty one.
+    ((4, 128, 128, 4, 4, 128), dict(q_lengths=[128, 70, 1, 0], kv_lengths=[128, 64, 5, 128]),
+     jnp.bfloat16, False),
+    # Short sequences with lengths, 16 per row, GQA.
+    ((64, 32, 32, 4, 2, 128), dict(causal=True, q_lengths=_random_lengths(1, 64, 32),
+                                   kv_lengths=_random_lengths(2, 64, 32)), jnp.bfloat16, False),
+    ((24, 64, 64, 2, 2, 64), dict(causal=True, window=(9, 0), kv_lengths=_random_lengths(
+        3, 24, 64)), jnp.float16, True),
+    # Cross-attention to a short key set with key lengths (not packed).
+    ((2, 1000, 77, 6, 2, 96), dict(kv_lengths=[77, 10]), jnp.bfloat16, False),
+    # Bottom-right causal window: query blocks that no key sees.
+    ((2, 300, 100, 4, 2, 128), dict(causal="bottom_right", window=(30, 0),
+                                    q_lengths=[300, 9]), jnp.bfloat16, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,kw,dtype,det", MASKED, ids=lambda c: str(c)[:40])
+def test_masked_against_the_reference(kernel_calls, shape, kw, dtype, det):
+    b, sq, sk, hq, hkv, d = shape
+    q, k, v = rand_qkv(b + sq + d, b, sq, sk, hq, hkv, d, dtype=dtype)
+    kw = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list | np.ndarray) else x
+          for n, x in kw.items()}
+
+    def attend(q, k, v, implementation):
+        return jax_fa4.attention(q, k, v, deterministic=det, return_lse=True,
+                                 implementation=implementation, **kw)
+
+    run = attention_step(attend, (b, sq, hq, d), (b, hq, sq))
+    with poison_outputs():
+        step = jax.jit(functools.partial(run, "cute"))
+        got = step(q, k, v)
+        kinds = {c[0].kind: c[0] for c in kernel_calls}
+        assert kinds["bwd"].dq_store and "bwd_post" not in kinds
         if det:
             for g, h in zip(got[1], step(q, k, v)[1]):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(h))

@@ -24,6 +24,7 @@ from jax_fa4.rules.ranges import (
     decode,
     key_block_ranges,
     key_ranges,
+    owned_walks,
     query_ranges,
 )
 
@@ -253,6 +254,68 @@ def test_key_block_peel_bits_mark_parts_that_see_nothing(case, tile_n, tile_m, p
                     assert not seen, (b, n, p)
                 elif exact[b, keys].all() and keys.start < SK:
                     assert seen, (b, n, p)
+
+
+def _assert_owned(walks, owned, vis, tile_n, tile_m, num_m):
+    """``owned_walks`` of ``walks``: the key blocks' walks tile the query blocks (each
+    walked by exactly one key block), hold the walks before (so every visible pair),
+    keep the full blocks, and keep a peel bit only where the first block stayed."""
+    for b in range(walks.shape[0]):
+        walked = np.zeros(num_m, np.int32)
+        for (first, end, full_first, full_end, bits), w in zip(owned[b], walks[b]):
+            walked[first:end] += 1
+            if w[1] > w[0]:
+                assert first <= w[0] and w[1] <= end
+            assert (full_first, full_end) == tuple(w[2:4])
+            assert bits == (w[4] if first == w[0] else 0)
+        assert np.all(walked == 1), b
+        queries, keys = np.nonzero(vis[b])
+        first, end = owned[b, keys // tile_n, 0], owned[b, keys // tile_n, 1]
+        assert np.all((first <= queries // tile_m) & (queries // tile_m < end)), b
+
+
+@pytest.mark.parametrize("tile_m", [8, 16, 64])
+@pytest.mark.parametrize("case", range(len(WALK_CASES)))
+def test_owned_walks_of_one_key_block_visit_every_query_block(case, tile_m):
+    """All keys in one block (Note [One key block per query block]): the block walks
+    every query block, so a backward that stores dQ writes each of them."""
+    ranges, walks, vis = _walks(WALK_CASES[case], 64, tile_m)
+    owned = np.asarray(owned_walks(jnp.asarray(walks), 64, tile_m, SQ))
+    assert owned.shape == walks.shape and owned.dtype == np.int32
+    _assert_owned(walks, owned, vis, 64, tile_m, -(-SQ // tile_m))
+
+
+@pytest.mark.parametrize("s,tile_n,tile_m", [(16, 32, 16), (8, 32, 32), (32, 32, 16)])
+@pytest.mark.parametrize("seed", range(6))
+def test_owned_walks_of_packed_short_sequences(s, tile_n, tile_m, seed):
+    """Short sequences with lengths, packed as Note [Short sequences] packs them
+    (key blocks of whole sequences): each key block walks the query blocks of its own
+    rows."""
+    from jax_fa4.rules.kernels_cuda import _packed_rows
+
+    rng = np.random.default_rng(seed)
+    b, p = 12, 6
+    kw = dict(q_lengths=rng.integers(0, s + 2, b).astype(np.int32),
+              kv_lengths=rng.integers(0, s + 2, b).astype(np.int32))
+    config = AttentionConfig(scale=1.0, causal=bool(seed % 2), window=(5, None) if seed > 3
+                             else None, q_lengths=True, kv_lengths=True)
+    x = jnp.zeros((b, s, 1, 1))
+    packed, _, (qid, kid) = _packed_rows(p, config, tuple(jnp.asarray(kw[n]) for n in kw), x)
+    rows = b // p
+    ranges = key_ranges(packed, p * s, p * s, Masks(None, None, qid, kid), rows)
+    walks = np.asarray(key_block_ranges(ranges, tile_n, tile_m))
+    owned = np.asarray(owned_walks(jnp.asarray(walks), tile_n, tile_m, p * s))
+    vis = np.zeros((rows, p * s, p * s), bool)
+    for n in range(b):  # each sequence's own rule, placed on the packed row's diagonal
+        r, o = divmod(n, p)
+        i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+        v = (i < kw["q_lengths"][n]) & (j < kw["kv_lengths"][n])
+        if config.causal:
+            v &= j <= i
+        if config.window:
+            v &= j >= i - 5
+        vis[r, o * s:(o + 1) * s, o * s:(o + 1) * s] = v
+    _assert_owned(walks, owned, vis, tile_n, tile_m, -(-(p * s) // tile_m))
 
 
 def _lane_rank(walks, n_block: int, m_block: int) -> int:

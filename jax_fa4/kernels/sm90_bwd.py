@@ -76,7 +76,11 @@ With ``dq_store`` the MMA warpgroups scale and round it into dQ's tile in SMEM
 past seqlen_q clipped: no fp32 accumulator, so the preprocess zeroes none and no
 postprocess runs; dQ leaves once, in the input dtype, instead of as floats added
 into zeroed lines that the postprocess reads back. With one partial per block dQ
-is also reproducible without the deterministic kernel's semaphores. (Many short
+is also reproducible without the deterministic kernel's semaphores. Nothing else
+writes dQ, so under a mask every query block must be walked, those whose rows see
+none of the block's keys too: the lowering widens the masked walks to every query
+block a key block owns (``owned_walks`` in rules/ranges.py), and there the element
+mask leaves P = 0, so the stored tile is zeros. (Many short
 sequences spend much of their backward on that traffic: 1024 x 128 tokens at hdim
 128 move 2 GB of accumulator zeros, adds and reads for 0.5 GB of dQ.)
 """

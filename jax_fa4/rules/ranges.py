@@ -222,6 +222,25 @@ def key_block_ranges(ranges: jax.Array, tile_n: int, tile_m: int, part: int = 64
                       full_end, jnp.where(empty, 0, bits)], axis=-1).astype(jnp.int32)
 
 
+def owned_walks(walks: jax.Array, tile_n: int, tile_m: int, sq: int) -> jax.Array:
+    """``key_block_ranges``'s walks of a backward that stores dQ (Note [One key
+    block per query block] in kernels/sm90_bwd.py) widened to every query block that
+    its key block owns: all of them where the keys fit one block, else blocks ``[n
+    tile_n, (n + 1) tile_n)`` of rows (short sequences packed, Sq = Sk, whose
+    documents the key blocks tile). The key block then writes each of those dQ
+    blocks, zeros where the mask hides its keys from every row (there its
+    elements are masked: P = 0); no block is left unwritten. A peel bit holds for
+    the walk's first block only, so it is cleared where the first block moves."""
+    num_n = walks.shape[1]
+    num_m = -(-sq // tile_m)
+    n = jnp.arange(num_n, dtype=jnp.int32)
+    first = jnp.minimum(n * (tile_n // tile_m), num_m)
+    end = jnp.where(n == num_n - 1, num_m, jnp.minimum((n + 1) * (tile_n // tile_m), num_m))
+    first, end = (jnp.broadcast_to(x, walks.shape[:2]) for x in (first, end))
+    bits = jnp.where(walks[..., 0] == first, walks[..., 4], 0)
+    return jnp.stack([first, end, walks[..., 2], walks[..., 3], bits], axis=-1)
+
+
 def decode(ranges: np.ndarray):
     """(lo, hi, exact) of packed intervals (numpy; tests)."""
     lo, hi = ranges[..., 0], ranges[..., 1]
