@@ -53,9 +53,9 @@ def _lengths(*xs):
     (300, 100, 64, dict(causal="bottom_right", window=(30, 0), q_lengths=_lengths(300, 9))),
     (200, 128, 128, dict(q_segment_ids=jnp.zeros((2, 200), jnp.int32),
                          kv_segment_ids=jnp.ones((2, 128), jnp.int32))),
+    (128, 128, 64, dict(q_lengths=jnp.arange(64, dtype=jnp.int32) * 2)),  # one per row
     # Short sequences with lengths, packed (Note [Short sequences]).
     (32, 32, 128, dict(causal=True, kv_lengths=jnp.arange(64, dtype=jnp.int32) % 33)),
-    (128, 128, 64, dict(q_lengths=jnp.arange(64, dtype=jnp.int32) * 2)),
 ])
 def test_stored_dq(monkeypatch, kernel_calls, sq, sk, d, kw):
     pre, main, post = _bwd_keys(monkeypatch, kernel_calls, 64 if sq == sk else 2, sq, sk, 4, 2,
