@@ -160,6 +160,10 @@ class KernelKey:
     # dQ itself: no fp32 accumulator (the preprocess writes none), no postprocess
     # (Note [One key block per query block] in kernels/sm90_bwd.py).
     dq_store: bool = False
+    # fwd (sm_90a, masked, head dims up to 64): each tile's query rows fit the short
+    # row of the tile table, 128 rows instead of 192 (``short_tiles`` in
+    # kernels/sm90_fwd.py).
+    short_tiles: bool = False
 
 
 def page_size_error(page_size: int, tile_n: int) -> str | None:

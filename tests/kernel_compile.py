@@ -209,7 +209,8 @@ def exp2s_between_waits(sass: str) -> list[int]:
 
 def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool = False,
                  shape=(2, 113, 203, 4, 1), compile_options: str | None = None,
-                 deterministic: bool = False, splits: int = 1, page_size: int = 0) -> str:
+                 deterministic: bool = False, splits: int = 1, page_size: int = 0,
+                 short: bool = False) -> str:
     """Lower a masked kernel of ``arch`` (``direction`` "fwd" or "bwd"), which takes
     the key (query) intervals after its other operands, and with ``segments`` the
     ids, as the FFI layer calls it (rules/kernels_cuda.py). ``deterministic`` (a
@@ -219,7 +220,9 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
     ``splits`` > 1 (a forward): the split-keys kernel, whose O and LSE are float32
     partials with B x splits batches. ``page_size`` (a forward): K and V are pools of
     pages of that many keys (Sk of them, so one page per key of the shape), and the
-    kernel takes a page table (B, ceil(Sk / page_size)) after the intervals."""
+    kernel takes a page table (B, ceil(Sk / page_size)) after the intervals.
+    ``short`` (an sm_90a forward): the tile table's row for few rows per tile
+    (``short_tiles`` in kernels/sm90_fwd.py)."""
     import cutlass
 
     from jax_fa4.kernels.sm90_bwd import FlashBwdSm90, FlashBwdSm90Deterministic
@@ -245,6 +248,9 @@ def lower_masked(arch: str, direction: str, dtype, head_dim: int, segments: bool
         kw["pack_gqa"] = fwd_plan(arch, jnp.dtype(dtype).name, head_dim, head_dim, False,
                                   1.0, masked=True, group=hq // hkv).key.pack_gqa
         if arch == "sm_90a":
+            if short:
+                kw["short"] = True
+
             def make():
                 return make_fwd_sm90(dtype, head_dim, head_dim, False, **kw)
         else:

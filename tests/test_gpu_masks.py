@@ -92,10 +92,14 @@ def _calls(b, sq, sk, d):
 SHAPES = [(2, 300, 300, 4, 2), (2, 113, 503, 4, 1), (2, 503, 113, 2, 2), (1, 1000, 1000, 2, 1)]
 # Three shapes at hdim 128, one each at 64 and 256 (the other classes), to keep the
 # device run short; at hdim 64 also groups of 3 and 8 query heads per KV head, which
-# the forward packs into its 192-row tiles (Note [Packed GQA]).
+# the forward packs into its 192-row tiles (Note [Packed GQA]), and tiles of 113 rows
+# and of 29 rows of 4 heads, which it runs on 128-row tiles (``short_tiles`` in
+# kernels/sm90_fwd.py).
 CASES = ([(s, 128) for s in SHAPES[1:]] + [(SHAPES[1], 64), (SHAPES[0], 256),
                                            ((2, 300, 300, 6, 2), 64),
-                                           ((1, 257, 1031, 8, 1), 64)])
+                                           ((1, 257, 1031, 8, 1), 64),
+                                           ((2, 113, 203, 4, 4), 64),
+                                           ((2, 29, 300, 8, 2), 64)])
 NAMES = list(_cases(1, 8, 8))
 
 

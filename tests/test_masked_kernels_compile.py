@@ -115,12 +115,74 @@ def test_masked_forward_packs_gqa_heads_that_divide_its_tiles(arch, d, group, pa
     assert fwd_plan(arch, "bfloat16", d, d, True, 0.1, group=group).key.pack_gqa == 1
 
 
+@pytest.mark.parametrize("arch,d,group,rows,split,short", [
+    ("sm_90a", 64, 1, 113, False, True), ("sm_90a", 64, 1, 128, False, True),
+    ("sm_90a", 64, 4, 29, False, True), ("sm_90a", 64, 8, 1, False, True),
+    ("sm_90a", 64, 8, 16, False, True), ("sm_90a", 64, 8, 17, False, False),
+    ("sm_90a", 64, 1, 129, False, False), ("sm_90a", 64, 3, 40, False, False),
+    ("sm_90a", 64, 1, 113, True, False), ("sm_90a", 64, 1, 0, False, False),
+    ("sm_90a", 128, 1, 113, False, False), ("sm_100a", 64, 1, 113, False, False)])
+def test_masked_forward_fits_short_rows(arch, d, group, rows, split, short):
+    """``short_tiles``: the sm_90a masked forward at head dim 64 runs tiles of at
+    most 128 rows (with the packed GQA heads, a group that divides 128; decode
+    too) on 128-row tiles; longer ones, a group of 3, split keys, unknown rows,
+    other head dims and sm_100a keep the table's row."""
+    from jax_fa4.kernels.sm90_fwd import make_fwd_sm90
+    from jax_fa4.rules.plan import fwd_plan
+
+    key = fwd_plan(arch, "bfloat16", d, d, False, 0.1, masked=True, group=group,
+                   split_kv=split, rows=rows).key
+    assert key.short_tiles == short
+    assert not fwd_plan(arch, "bfloat16", d, d, True, 0.1, group=group, rows=rows
+                        ).key.short_tiles
+    if arch == "sm_90a":
+        kernel = make_fwd_sm90(jnp.bfloat16, d, d, False, masked=True,
+                               pack_gqa=key.pack_gqa, split_kv=split, short=short)
+        assert kernel.tile_m == (128 if short else 192 if d == 64 else 128)
+        assert kernel.tiles.q_in_regs == short
+
+
+def test_short_rows_lower_to_the_short_forward(monkeypatch, kernel_calls):
+    """50 query rows of 2 heads per KV head at hdim 64 (100 rows a tile) with key
+    lengths: the forward's key has the short tiles; 200 rows do not."""
+    monkeypatch.setenv("JAX_FA4_ARCH", "sm_90a")
+    for sq, short in ((50, True), (100, False)):
+        kernel_calls.clear()
+        assert _lower(_step(kv_lengths=True), 64, sq=sq).count(CALL) == 4
+        fwd = [k for k, _ in kernel_calls if k.kind == "fwd"]
+        assert len(fwd) == 1 and fwd[0].short_tiles == short and fwd[0].pack_gqa == 2
+
+
 def test_masks_lower_to_the_sm100_kernels(monkeypatch):
     """Compiled, not run on hardware."""
     monkeypatch.setenv("JAX_FA4_ARCH", "sm_100a")
     masks = dict(causal="bottom_right", kv_lengths=True, q_segment_ids=True,
                  kv_segment_ids=True)
     assert _lower(_step(**masks), 128).count(CALL) == 4
+
+
+def test_short_masked_forward_build(tmp_path):
+    """The short rows' tiles (``short_tiles``): Q as the register operand of its
+    wgmmas, 4 query heads packed into 116 rows, no local memory."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from kernel_compile import dump_options, lower_masked, read_dump
+
+    lower_masked("sm_90a", "fwd", jnp.bfloat16, 64, shape=(2, 29, 203, 4, 1), short=True,
+                 compile_options=dump_options(pathlib.Path(tmp_path)))
+    ptx = read_dump(pathlib.Path(tmp_path), "ptx")
+    assert ptx is not None and "setp.lt.u32 p, t," in ptx
+    # S = Q K^T (N = 128 keys; O += P V has N = 64) with Q from registers: its
+    # wgmma's A operand is a register list, not a descriptor.
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16"
+                    r" +\{[^}]*\}, *(\S)", ptx)
+    assert qk and set(qk) == {"{"}, qk[:4]
+    sass = read_dump(pathlib.Path(tmp_path), "sass")
+    if sass is None:
+        pytest.skip("the DSL wrote no SASS (disassembler unavailable to it)")
+    assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
 # (arch, direction, head dim, segment ids): each masked kernel class once.

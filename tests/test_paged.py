@@ -188,7 +188,9 @@ def test_vmap_over_sequences_shares_the_pools():
 # where they tile its key blocks (128 keys; 80 at head dim 256).
 GPU_PAGED = [(16, 128, 32, 8, 1, None), (64, 128, 32, 8, 1, None), (64, 128, 32, 1, 1, 1),
              (128, 128, 8, 8, 5, None), (256, 64, 16, 2, 3, 4), (32, 64, 24, 8, 1, None),
-             (16, 256, 8, 2, 1, None), (64, 256, 8, 2, 2, None), (64, 96, 32, 8, 1, None)]
+             (16, 256, 8, 2, 1, None), (64, 256, 8, 2, 2, None), (64, 96, 32, 8, 1, None),
+             # 12 queries of 8 heads a tile: the short rows' tiles (``short_tiles``)
+             (64, 64, 16, 2, 12, 1)]
 
 
 @pytest.mark.gpu

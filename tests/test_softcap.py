@@ -200,6 +200,8 @@ def test_sm100_softcap_builds(tmp_path, direction):
     (96, dict(causal=True, window=(128, 0))),
     (128, dict(causal=True, kv_lengths=np.array([300, 0], np.int32), deterministic=True)),
     (64, dict(causal="bottom_right", sinks=True)),
+    # 50 rows of 2 heads a tile: the short rows' tiles (``short_tiles``)
+    (64, dict(causal="bottom_right", sinks=True, sq=50)),
 ])
 def test_gpu_kernels_with_softcap(d, kw):
     """On the GPU, kernels only (``implementation="cute"``), logits well past the
@@ -211,7 +213,7 @@ def test_gpu_kernels_with_softcap(d, kw):
     from jax_fa4.ffi import poison_outputs
 
     kw = dict(kw)
-    b, sq, sk, hq, hkv, cap = 2, 300, 333, 4, 2, 2.5
+    b, sq, sk, hq, hkv, cap = 2, kw.pop("sq", 300), 333, 4, 2, 2.5
     q, k, v = rand_qkv(9, b, sq, sk, hq, hkv, d)
     q = q * 3.0
     sinks = jnp.array([0.5, -1.0, 2.0, 0.0], jnp.float32) if kw.pop("sinks", False) else None

@@ -255,7 +255,7 @@ def forward(q, k, v, *masks, config: AttentionConfig, arch: str):
     masked, splits = _forward_splits(config, arch, q, sk, k.shape[2], dv)
     plan = fwd_plan(arch, dtype_name(q.dtype), q.shape[-1], dv, bool(config.causal),
                     float(config.scale), masked, config.segments, config.sinks,
-                    config.softcap, hq // k.shape[2], splits > 1, page_size)
+                    config.softcap, hq // k.shape[2], splits > 1, page_size, sq)
     inputs, in_static = (q, k, v), (_BSHD, _BSHD, _BSHD)
     if splits > 1:
         outs = (jax.ShapeDtypeStruct((splits * b, sq, hq, dv), jnp.float32),

@@ -55,6 +55,8 @@ class FwdPlan:
             extra["split_kv"] = True
         if k.page_size:
             extra["page_size"] = k.page_size
+        if k.short_tiles:
+            extra["short"] = True
         return make(_cutlass_dtype(k.dtype), k.head_dim, k.head_dim_v, k.causal, k.scale,
                     **extra)
 
@@ -169,7 +171,8 @@ def fwd_tile_shape(arch: str, head_dim: int, head_dim_v: int, masked: bool
 def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool,
              scale: float, masked: bool = False, segments: bool = False,
              sinks: bool = False, softcap: float | None = None,
-             group: int = 1, split_kv: bool = False, page_size: int = 0) -> FwdPlan:
+             group: int = 1, split_kv: bool = False, page_size: int = 0,
+             rows: int = 0) -> FwdPlan:
     """``masked``: the kernel takes key intervals that carry every mask, causal
     included (``causal`` is then ignored); ``segments``: and the segment ids;
     ``sinks``: and the sink logits; ``softcap``: the logits' cap, or None;
@@ -177,21 +180,26 @@ def fwd_plan(arch: str, dtype: str, head_dim: int, head_dim_v: int, causal: bool
     tiles where they divide them (Note [Packed GQA] in kernels/sm90_fwd.py);
     ``split_kv``: the masked forward writes float32 partials of key splits (Note
     [Split keys]), and takes no sinks (the combine adds them); ``page_size``: K and V
-    are pools of pages of that many keys, read in place (Note [Paged KV])."""
+    are pools of pages of that many keys, read in place (Note [Paged KV]); ``rows``:
+    the call's query rows per (batch, head), which the masked forward at head dims up
+    to 64 fits to (``short_tiles``), or 0 where unknown."""
     if masked:
         causal = False
-    counter, tile_m = False, 128
+    counter, tile_m, short = False, 128, False
     if arch == "sm_90a":
-        from jax_fa4.kernels.sm90_fwd import fwd_tiles
+        from jax_fa4.kernels.sm90_fwd import fwd_tiles, short_tiles
 
         tiles = fwd_tiles(head_dim, head_dim_v, causal, masked)
         counter = (causal or masked) and tiles.persistent
         tile_m = tiles.tile_m
     pack = group if masked and group > 1 and tile_m % group == 0 else 1
+    if arch == "sm_90a":
+        short = short_tiles(head_dim, head_dim_v, masked, rows, pack, split_kv)
     key = KernelKey(kind="fwd", arch=arch, dtype=dtype, head_dim=head_dim,
                     head_dim_v=head_dim_v, causal=causal, scale=scale, masked=masked,
                     segments=segments, sinks=sinks and not split_kv, softcap=softcap,
-                    pack_gqa=pack, split_kv=split_kv, page_size=page_size)
+                    pack_gqa=pack, split_kv=split_kv, page_size=page_size,
+                    short_tiles=short)
     return FwdPlan(key=key, tile_counter=counter)
 
 
