@@ -269,3 +269,6 @@ def test_masked_cases_count_their_visible_pairs():
     # Many short causal sequences.
     assert bm.visible_pairs(cases["short32"]) == 4096 * tri(32)
     assert bm.visible_pairs(cases["short128"]) == 1024 * tri(128)
+    # No mask, at lengths that are not a multiple of the counting step (1500 > 1024).
+    assert bm.visible_pairs(cases["vit197"]) == 256 * 197 * 197
+    assert bm.visible_pairs(cases["whisper"]) == 16 * 1500 * 1500
