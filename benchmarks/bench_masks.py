@@ -4,7 +4,7 @@ score modifier, all in one process, timed as bench_attention.py times (alternati
 rounds, settling, medians; see its docstring). bf16, hidden 2048 (16 heads of 128
 unless a row says otherwise).
 
-Cases (the masks issue's rows):
+Cases:
   lengths      B=2 x 8k, causal, key lengths (8192, 4096)      vs cuDNN
   window 8k    B=2 x 8k, causal, window (1024, 0)              vs cuDNN, flash-attn-4
   window 32k   B=1 x 32k, causal, window (1024, 0)             vs cuDNN, flash-attn-4
